@@ -1,0 +1,32 @@
+"""Domain errors shared by every service.
+
+Each service maps these once at its edge: to gRPC status codes in its servicer, to OpenAI error
+bodies in the gateway. Nothing below the edges raises anything else on purpose.
+"""
+
+from __future__ import annotations
+
+
+class TandemError(Exception):
+    """Base of every domain error."""
+
+
+class ConfigError(TandemError):
+    """A configuration (config.json, a flag) is missing, unsupported or inconsistent."""
+
+
+class CheckpointError(TandemError):
+    """A checkpoint file or tensor is missing, truncated, corrupt, or of the wrong shape or dtype."""
+
+
+class InvalidRequestError(TandemError):
+    """A caller's request is malformed (bad sampling parameters, over-long prompt...)."""
+
+
+class ExpertBackendError(TandemError):
+    """An expert backend failed to compute a layer; carries the layer and the cause."""
+
+    def __init__(self, layer: int, cause: str):
+        super().__init__(f"expert backend failed at layer {layer}: {cause}")
+        self.layer = layer
+        self.cause = cause

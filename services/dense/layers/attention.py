@@ -1,0 +1,90 @@
+"""Attention variants: grouped-query (GQA) and multi-head latent (MLA).
+
+Shapes: T new tokens, S cached positions (T included), D hidden size, H query heads,
+Hkv key/value heads, Dh head size, C kv_lora_rank, N/R/V the MLA nope, rope and value head sizes.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from services.common.model_config import ModelConfig
+from services.dense.kv_cache import LayerKV
+from services.dense.layers.norm import rms_norm
+from services.dense.layers.rope import Rotary
+from services.dense.weights import WeightLoader
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [T, H, Dq], k [S, Hkv, Dq], v [S, Hkv, Dv], mask [T, S] bool -> [T, H * Dv]."""
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale,
+        enable_gqa=q.shape[1] != k.shape[1],
+    )
+    return out.transpose(0, 1).reshape(q.shape[0], -1)
+
+
+class GQAttention:
+    def __init__(self, cfg: ModelConfig, w: WeightLoader, prefix: str, rotary: Rotary):
+        a, d = cfg.attention, cfg.hidden_size
+        self.a, self.eps, self.rotary = a, cfg.rms_norm_eps, rotary
+        self.q_proj = w.linear(f"{prefix}.q_proj", a.num_heads * a.head_dim, d, a.qkv_bias)
+        self.k_proj = w.linear(f"{prefix}.k_proj", a.num_kv_heads * a.head_dim, d, a.qkv_bias)
+        self.v_proj = w.linear(f"{prefix}.v_proj", a.num_kv_heads * a.head_dim, d, a.qkv_bias)
+        self.o_proj = w.linear(f"{prefix}.o_proj", d, a.num_heads * a.head_dim, a.o_bias)
+        if a.qk_norm:
+            self.q_norm = w.norm(f"{prefix}.q_norm", a.head_dim)
+            self.k_norm = w.norm(f"{prefix}.k_norm", a.head_dim)
+
+    def __call__(self, x: torch.Tensor, cos_sin, kv: LayerKV, mask: torch.Tensor) -> torch.Tensor:
+        a, t = self.a, x.shape[0]
+        q = self.q_proj(x).view(t, a.num_heads, a.head_dim)
+        k = self.k_proj(x).view(t, a.num_kv_heads, a.head_dim)
+        v = self.v_proj(x).view(t, a.num_kv_heads, a.head_dim)
+        if a.qk_norm:
+            q, k = rms_norm(q, self.q_norm, self.eps), rms_norm(k, self.k_norm, self.eps)
+        q, k = self.rotary.apply(q, *cos_sin), self.rotary.apply(k, *cos_sin)
+        k_all, v_all = kv.update(k, v)
+        return self.o_proj(_attend(q, k_all, v_all, mask, a.softmax_scale))
+
+
+class MLAttention:
+    def __init__(self, cfg: ModelConfig, w: WeightLoader, prefix: str, rotary: Rotary):
+        a, d = cfg.attention, cfg.hidden_size
+        self.a, self.eps, self.rotary = a, cfg.rms_norm_eps, rotary
+        q_out = a.num_heads * a.head_dim
+        if a.q_lora_rank is None:
+            self.q_proj = w.linear(f"{prefix}.q_proj", q_out, d)
+        else:
+            self.q_a_proj = w.linear(f"{prefix}.q_a_proj", a.q_lora_rank, d, a.qkv_bias)
+            self.q_a_layernorm = w.norm(f"{prefix}.q_a_layernorm", a.q_lora_rank)
+            self.q_b_proj = w.linear(f"{prefix}.q_b_proj", q_out, a.q_lora_rank)
+        self.kv_a_proj = w.linear(f"{prefix}.kv_a_proj_with_mqa", a.kv_lora_rank + a.qk_rope_head_dim, d, a.qkv_bias)
+        self.kv_a_layernorm = w.norm(f"{prefix}.kv_a_layernorm", a.kv_lora_rank)
+        self.kv_b_proj = w.linear(f"{prefix}.kv_b_proj", a.num_heads * (a.qk_nope_head_dim + a.v_head_dim), a.kv_lora_rank)
+        self.o_proj = w.linear(f"{prefix}.o_proj", d, a.num_heads * a.v_head_dim, a.o_bias)
+
+    def _query(self, x: torch.Tensor) -> torch.Tensor:
+        if self.a.q_lora_rank is None:
+            return self.q_proj(x)
+        return self.q_b_proj(rms_norm(self.q_a_proj(x), self.q_a_layernorm, self.eps))
+
+    def __call__(self, x: torch.Tensor, cos_sin, kv: LayerKV, mask: torch.Tensor) -> torch.Tensor:
+        a, t = self.a, x.shape[0]
+        q = self._query(x).view(t, a.num_heads, a.head_dim)
+        q_nope, q_rot = q.split([a.qk_nope_head_dim, a.qk_rope_head_dim], dim=-1)
+        latent, k_rot = self.kv_a_proj(x).split([a.kv_lora_rank, a.qk_rope_head_dim], dim=-1)  # [T, C], [T, R]
+        latent = rms_norm(latent, self.kv_a_layernorm, self.eps)
+        q_rot = self.rotary.apply(q_rot, *cos_sin)
+        k_rot = self.rotary.apply(k_rot[:, None, :], *cos_sin)[:, 0]
+        latent_all, k_rot_all = kv.update(latent, k_rot)  # [S, C], [S, R]
+        s = latent_all.shape[0]
+        k_nope, v = self.kv_b_proj(latent_all).view(s, a.num_heads, -1).split([a.qk_nope_head_dim, a.v_head_dim], -1)
+        k = torch.cat((k_nope, k_rot_all[:, None, :].expand(s, a.num_heads, a.qk_rope_head_dim)), dim=-1)
+        return self.o_proj(_attend(torch.cat((q_nope, q_rot), dim=-1), k, v, mask, a.softmax_scale))
+
+
+def make_attention(cfg: ModelConfig, w: WeightLoader, prefix: str, rotary: Rotary):
+    cls = MLAttention if cfg.attention.kind == "mla" else GQAttention
+    return cls(cfg, w, prefix, rotary)

@@ -1,0 +1,68 @@
+"""Rotary position embeddings: default, linear and YaRN frequencies; half or interleaved pairs.
+
+Shapes: T tokens, H heads, R rotated dims per head (R/2 frequencies).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from services.common.model_config import RopeConfig, yarn_mscale
+
+
+def _yarn(rope: RopeConfig, base_freqs: torch.Tensor) -> tuple[torch.Tensor, float]:
+    dim = rope.dim
+
+    def correction_dim(rotations: float) -> float:
+        original = rope.original_max_position_embeddings
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(rope.theta))
+
+    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    extrapolation = 1 - ramp
+    inv_freq = (1.0 / (rope.factor * base_freqs)) * (1 - extrapolation) + (1.0 / base_freqs) * extrapolation
+    factor = rope.attention_factor
+    if factor is None:
+        if rope.mscale and rope.mscale_all_dim:
+            factor = yarn_mscale(rope.factor, rope.mscale) / yarn_mscale(rope.factor, rope.mscale_all_dim)
+        else:
+            factor = yarn_mscale(rope.factor)
+    return inv_freq, float(factor)
+
+
+def inverse_frequencies(rope: RopeConfig) -> tuple[torch.Tensor, float]:
+    """[R/2] inverse frequencies and the scale applied to cos/sin."""
+    base_freqs = rope.theta ** (torch.arange(0, rope.dim, 2, dtype=torch.float32) / rope.dim)
+    if rope.kind == "yarn":
+        return _yarn(rope, base_freqs)
+    inv_freq = 1.0 / base_freqs
+    if rope.kind == "linear":
+        inv_freq = inv_freq / rope.factor
+    return inv_freq, 1.0
+
+
+class Rotary:
+    def __init__(self, rope: RopeConfig, device: torch.device):
+        inv_freq, self.scale = inverse_frequencies(rope)
+        self.inv_freq = inv_freq.to(device)
+        self.interleaved = rope.interleaved
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, R/2]
+        return (freqs.cos() * self.scale).to(dtype), (freqs.sin() * self.scale).to(dtype)
+
+    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [T, H, R] -> rotated [T, H, R]; interleaved pairs come out as (evens, odds) halves."""
+        if self.interleaved:
+            x1, x2 = x[..., 0::2], x[..., 1::2]
+        else:
+            x1, x2 = x.chunk(2, dim=-1)
+        cos, sin = cos[:, None, :], sin[:, None, :]
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

@@ -1,0 +1,76 @@
+"""The one generic MoE decoder: every family is this assembly, configured by ModelConfig.
+
+Shapes: T tokens of this step, S cached positions, D hidden size, V vocabulary size.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from services.common.model_config import ModelConfig
+from services.dense.kv_cache import LayerKV, SequenceKV
+from services.dense.layers.attention import make_attention
+from services.dense.layers.mlp import GatedMLP
+from services.dense.layers.norm import rms_norm
+from services.dense.layers.rope import Rotary
+from services.dense.moe.block import MoeBlock
+from services.dense.moe.experts import ExpertBackend
+from services.dense.weights import WeightLoader
+
+
+class DecoderLayer:
+    def __init__(self, cfg: ModelConfig, w: WeightLoader, layer: int, rotary: Rotary, experts: ExpertBackend):
+        prefix, d = f"model.layers.{layer}", cfg.hidden_size
+        self.eps = cfg.rms_norm_eps
+        self.input_norm = w.norm(f"{prefix}.input_layernorm", d)
+        self.post_attention_norm = w.norm(f"{prefix}.post_attention_layernorm", d)
+        self.attention = make_attention(cfg, w, f"{prefix}.self_attn", rotary)
+        if cfg.is_moe(layer):
+            self.mlp = MoeBlock(cfg, w, layer, experts)
+        else:
+            self.mlp = GatedMLP(w, f"{prefix}.mlp", d, cfg.intermediate_size, cfg.mlp_bias)
+
+    def __call__(self, h: torch.Tensor, cos_sin, kv: LayerKV, mask: torch.Tensor) -> torch.Tensor:
+        h = h + self.attention(rms_norm(h, self.input_norm, self.eps), cos_sin, kv, mask)
+        return h + self.mlp(rms_norm(h, self.post_attention_norm, self.eps))
+
+
+class MoeDecoder:
+    def __init__(self, cfg: ModelConfig, w: WeightLoader, experts: ExpertBackend):
+        d, v = cfg.hidden_size, cfg.vocab_size
+        self.cfg, self.dtype, self.device = cfg, w.dtype, w.device
+        self.rotary = Rotary(cfg.rope, w.device)
+        self.embed = w.tensor("model.embed_tokens.weight", (v, d))
+        self.layers = [DecoderLayer(cfg, w, i, self.rotary, experts) for i in range(cfg.num_layers)]
+        self.norm = w.norm("model.norm", d)
+        tied = cfg.tie_word_embeddings and "lm_head.weight" not in w.checkpoint
+        self.lm_head = self.embed if tied else w.tensor("lm_head.weight", (v, d))
+
+    def new_cache(self, capacity: int) -> SequenceKV:
+        return SequenceKV(self.cfg, capacity, self.dtype, self.device)
+
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, cache: SequenceKV, last_only: bool = False) -> torch.Tensor:
+        """tokens [T] continuing the cached sequence -> logits [T, V] float32 ([1, V] if last_only)."""
+        t = tokens.shape[0]
+        cache.begin(t)
+        positions = torch.arange(cache.start, cache.start + t, device=self.device)
+        mask = self._mask(positions, cache.start + t)
+        cos_sin = self.rotary.cos_sin(positions, self.dtype)
+        h = F.embedding(tokens.to(self.device), self.embed)
+        for layer, kv in zip(self.layers, cache.layers):
+            h = layer(h, cos_sin, kv, mask)
+        cache.commit(t)
+        if last_only:
+            h = h[-1:]
+        return F.linear(rms_norm(h, self.norm, self.cfg.rms_norm_eps), self.lm_head).float()
+
+    def _mask(self, positions: torch.Tensor, length: int) -> torch.Tensor:
+        """[T, S] bool: causal, and inside the sliding window when the model has one."""
+        keys = torch.arange(length, device=self.device)
+        mask = keys[None, :] <= positions[:, None]
+        window = self.cfg.attention.sliding_window
+        if window:
+            mask &= keys[None, :] > positions[:, None] - window
+        return mask

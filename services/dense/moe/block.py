@@ -1,0 +1,43 @@
+"""The MoE block: the router and shared experts run here; routed experts go to the backend.
+
+Shapes: T tokens, D hidden size, E routed experts.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from services.common.model_config import ModelConfig
+from services.dense.layers.mlp import GatedMLP
+from services.dense.moe.experts import ExpertBackend
+from services.dense.moe.router import route
+from services.dense.weights import WeightLoader
+
+
+class MoeBlock:
+    def __init__(self, cfg: ModelConfig, w: WeightLoader, layer: int, experts: ExpertBackend):
+        moe, d = cfg.moe, cfg.hidden_size
+        prefix = f"model.layers.{layer}.{moe.prefix}"
+        self.layer, self.router, self.experts = layer, moe.router, experts
+        self.gate = w.tensor(f"{prefix}.gate.weight", (moe.num_experts, d), torch.float32)  # [E, D]
+        self.bias = None
+        if moe.has_correction_bias:
+            self.bias = w.tensor(f"{prefix}.gate.e_score_correction_bias", (moe.num_experts,), torch.float32)
+        self.shared = None
+        if moe.shared_intermediate_size:
+            shared_prefix = f"{prefix}.{moe.shared_name}"
+            self.shared = GatedMLP(w, shared_prefix, d, moe.shared_intermediate_size, cfg.mlp_bias)
+        self.shared_gate = w.linear(f"{prefix}.shared_expert_gate", 1, d) if moe.shared_gated else None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [T, D] -> [T, D]
+        ids, weights = route(self.router, x.float() @ self.gate.T, self.bias)
+        handle = self.experts.submit(self.layer, x, ids, weights)
+        shared = self._shared(x)
+        routed = self.experts.wait(handle)
+        return routed if shared is None else routed + shared
+
+    def _shared(self, x: torch.Tensor) -> torch.Tensor | None:
+        if self.shared is None:
+            return None
+        out = self.shared(x)
+        return out if self.shared_gate is None else torch.sigmoid(self.shared_gate(x)) * out

@@ -1,0 +1,37 @@
+"""Loads named checkpoint tensors onto the dense side's device and dtype, checking shapes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from services.common.checkpoint import Checkpoint
+
+
+@dataclass(frozen=True)
+class Linear:
+    weight: torch.Tensor  # [O, I]
+    bias: torch.Tensor | None = None  # [O]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class WeightLoader:
+    def __init__(self, checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device):
+        self.checkpoint = checkpoint
+        self.dtype = dtype
+        self.device = device
+
+    def tensor(self, name: str, shape: tuple[int, ...], dtype: torch.dtype | None = None) -> torch.Tensor:
+        raw = self.checkpoint.get(name, shape)
+        return raw.to(device=self.device, dtype=dtype or self.dtype)
+
+    def linear(self, prefix: str, out_features: int, in_features: int, bias: bool = False) -> Linear:
+        weight = self.tensor(f"{prefix}.weight", (out_features, in_features))
+        return Linear(weight, self.tensor(f"{prefix}.bias", (out_features,)) if bias else None)
+
+    def norm(self, prefix: str, size: int) -> torch.Tensor:
+        return self.tensor(f"{prefix}.weight", (size,))

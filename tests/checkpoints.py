@@ -1,0 +1,191 @@
+"""Tiny random-weight checkpoints of every supported family, made with transformers' own classes.
+
+Each is saved in the Hugging Face layout (config.json, safetensors, tokenizer files) under
+`.cache/tiny-models/<name>-<digest>`; the digest covers the recipe, so a changed recipe makes a new
+checkpoint and an unchanged one is reused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+CACHE_ROOT = Path(__file__).resolve().parent.parent / ".cache" / "tiny-models"
+SEED = 1234
+VOCAB = 512
+SPECIAL_TOKENS = ["<|bos|>", "<|eos|>", "<|pad|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+_COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+    initializer_range=0.1,
+    tie_word_embeddings=False,
+    bos_token_id=0,
+    eos_token_id=1,
+    pad_token_id=2,
+)
+
+_MLA = dict(
+    kv_lora_rank=32,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=16,
+    num_key_value_heads=4,
+    moe_intermediate_size=32,
+    n_shared_experts=2,
+    n_routed_experts=16,
+    num_experts_per_tok=4,
+    first_k_dense_replace=1,
+)
+
+_YARN_CONTEXT = {"max_position_embeddings": 128}
+_YARN = {
+    "rope_type": "yarn",
+    "rope_theta": 10000.0,
+    "factor": 4.0,
+    "original_max_position_embeddings": 32,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
+}
+
+# name -> (model_type, config keyword arguments)
+RECIPES: dict[str, tuple[str, dict]] = {
+    "deepseek_v3": ("deepseek_v3", {
+        **_COMMON, **_MLA, "q_lora_rank": 24, "n_group": 4, "topk_group": 2, "norm_topk_prob": True,
+        "routed_scaling_factor": 2.5, "rope_interleave": True, "num_mtp_layers": 0,
+        "rope_parameters": _YARN, **_YARN_CONTEXT,
+    }),
+    "deepseek_v3_qnull": ("deepseek_v3", {
+        **_COMMON, **_MLA, "q_lora_rank": None, "n_group": 2, "topk_group": 1, "norm_topk_prob": False,
+        "routed_scaling_factor": 1.5, "rope_interleave": True, "num_mtp_layers": 0,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+    }),
+    "deepseek_v2": ("deepseek_v2", {
+        **_COMMON, **_MLA, "q_lora_rank": None, "topk_method": "group_limited_greedy", "n_group": 4,
+        "topk_group": 2, "routed_scaling_factor": 1.0, "rope_parameters": _YARN, **_YARN_CONTEXT,
+    }),
+    "deepseek_v2_greedy": ("deepseek_v2", {
+        **_COMMON, **_MLA, "q_lora_rank": 24, "topk_method": "greedy", "routed_scaling_factor": 16.0,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+    }),
+    "qwen3_moe": ("qwen3_moe", {
+        **_COMMON, "num_key_value_heads": 2, "head_dim": 16, "num_experts": 16, "num_experts_per_tok": 4,
+        "moe_intermediate_size": 32, "norm_topk_prob": True, "decoder_sparse_step": 1,
+        "mlp_only_layers": [1], "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+    }),
+    "qwen2_moe": ("qwen2_moe", {
+        **_COMMON, "num_key_value_heads": 2, "num_experts": 16, "num_experts_per_tok": 4,
+        "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48, "norm_topk_prob": False,
+        "decoder_sparse_step": 1, "mlp_only_layers": [0], "qkv_bias": True,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+    }),
+    "mixtral": ("mixtral", {
+        **_COMMON, "num_key_value_heads": 2, "num_local_experts": 8, "num_experts_per_tok": 2,
+        "sliding_window": None, "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+    }),
+}
+
+FAMILY_CHECKPOINTS = list(RECIPES)
+
+
+def _digest(name: str) -> str:
+    import transformers
+
+    blob = json.dumps([RECIPES[name], SEED, VOCAB, transformers.__version__, _corpus()], sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+def checkpoint(name: str) -> Path:
+    """Path of the cached tiny checkpoint `name`, built on first use."""
+    path = CACHE_ROOT / f"{name}-{_digest(name)}"
+    if not (path / "config.json").exists():
+        CACHE_ROOT.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=CACHE_ROOT))
+        try:
+            _build(name, tmp)
+            os.replace(tmp, path)
+        except OSError:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if not (path / "config.json").exists():
+                raise
+    return path
+
+
+def _build(name: str, out: Path) -> None:
+    from transformers import AutoModelForCausalLM
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    model_type, kwargs = RECIPES[name]
+    config = CONFIG_MAPPING[model_type](**kwargs)
+    torch.manual_seed(SEED)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _perturb_router_bias(model)
+    model.save_pretrained(out)
+    _write_tokenizer(out)
+
+
+def _perturb_router_bias(model: torch.nn.Module) -> None:
+    """A zero correction bias would hide bugs in noaux_tc routing: give it real values."""
+    gen = torch.Generator().manual_seed(SEED + 1)
+    for key, buf in model.named_buffers():
+        if key.endswith("e_score_correction_bias"):
+            buf.copy_(torch.rand(buf.shape, generator=gen) * 0.2)
+
+
+def _corpus() -> list[str]:
+    import codecs
+    import contextlib
+    import io
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        import this  # the Zen of Python: a text every interpreter carries
+    zen = codecs.decode(this.s, "rot13")
+    extra = [
+        "The quick brown fox jumps over the lazy dog. " * 3,
+        "Mixture-of-Experts models route each token to a few experts.",
+        "Größe, café, naïve, déjà vu. Привет мир. こんにちは世界. 你好，世界。 🙂🚀",
+        "def forward(x):\n    return x * 2\n",
+        "1 2 3 4 5 6 7 8 9 10 100 1000",
+    ]
+    return [zen] + extra
+
+
+def _write_tokenizer(out: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB, special_tokens=SPECIAL_TOKENS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(), trainer)
+    tok.save(str(out / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<|bos|>",
+        "eos_token": "<|eos|>",
+        "pad_token": "<|pad|>",
+        "add_bos_token": False,
+        "chat_template": CHAT_TEMPLATE,
+        "model_max_length": 256,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2))

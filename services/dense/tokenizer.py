@@ -1,0 +1,60 @@
+"""The checkpoint's tokenizer (tokenizer.json through the `tokenizers` library) and its stop tokens."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tokenizers import Tokenizer as _HFTokenizer
+
+from services.common.errors import CheckpointError
+
+
+def _json(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{path} is not valid JSON: {exc}") from exc
+
+
+def _ids(value) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, list) else [int(value)]
+
+
+class Tokenizer:
+    def __init__(self, model_dir: str | Path):
+        model_dir = Path(model_dir)
+        path = model_dir / "tokenizer.json"
+        if not path.is_file():
+            raise CheckpointError(f"missing file: {path}")
+        try:
+            self._tok = _HFTokenizer.from_file(str(path))
+        except Exception as exc:  # the Rust library raises a bare Exception on bad files
+            raise CheckpointError(f"{path}: cannot load tokenizer: {exc}") from exc
+        self.config = _json(model_dir / "tokenizer_config.json")
+        self.eos_token_ids = self._stop_ids(model_dir)
+
+    def _stop_ids(self, model_dir: Path) -> tuple[int, ...]:
+        """generation_config.json first (it may list several), then config.json, then the eos token."""
+        for name in ("generation_config.json", "config.json"):
+            ids = _ids(_json(model_dir / name).get("eos_token_id"))
+            if ids:
+                return tuple(ids)
+        eos = self.config.get("eos_token")
+        eos = eos.get("content") if isinstance(eos, dict) else eos
+        token_id = self._tok.token_to_id(eos) if eos else None
+        return () if token_id is None else (token_id,)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size()
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)

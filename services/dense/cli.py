@@ -1,0 +1,69 @@
+"""Generate text from a checkpoint in one process (dense path plus the torch reference experts).
+
+    python -m services.dense.cli --model DIR --prompt "Hello" [--max-tokens 64 --temperature 0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+
+from services.common.errors import TandemError
+from services.dense.generate import stream
+from services.dense.loader import load_model
+from services.dense.runtime import DenseRuntime
+from services.dense.sampling import SamplingParams
+from services.dense.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class CliConfig:
+    model: str
+    prompt: str
+    runtime: DenseRuntime
+    sampling: SamplingParams
+
+
+def parse_args(argv: list[str] | None = None) -> CliConfig:
+    p = argparse.ArgumentParser(prog="python -m services.dense.cli", description=__doc__.splitlines()[0])
+    p.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda[:N]")
+    a = p.parse_args(argv)
+    try:
+        sampling = SamplingParams(a.temperature, a.top_p, a.top_k, a.seed, a.max_tokens)
+        return CliConfig(a.model, a.prompt, DenseRuntime(a.dtype, a.device), sampling)
+    except TandemError as exc:
+        p.error(str(exc))
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = parse_args(argv)
+    print(f"# {cfg}", file=sys.stderr)
+    try:
+        model, _ = load_model(cfg.model, cfg.runtime)
+        tokenizer = Tokenizer(cfg.model)
+        tokens: list[int] = []
+        shown = ""
+        for token in stream(model, tokenizer.encode(cfg.prompt), cfg.sampling, tokenizer.eos_token_ids):
+            tokens.append(token)
+            text = tokenizer.decode(tokens)
+            if not text.endswith("\ufffd"):  # hold back a partial UTF-8 character
+                print(text[len(shown):], end="", flush=True)
+                shown = text
+        print()
+    except TandemError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -11,19 +11,9 @@ import torch.nn.functional as F
 
 from services.common.checkpoint import Checkpoint
 from services.common.errors import ExpertBackendError
+from services.common.expert_weights import load_expert_stacks
 from services.common.model_config import ModelConfig
 from services.dense.moe.experts import ExpertBackend
-
-
-def load_expert_stacks(checkpoint: Checkpoint, cfg: ModelConfig, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """One layer's routed experts as w13 [E, 2I, D] (gate rows, then up rows) and w2 [E, D, I]."""
-    d, i = cfg.hidden_size, cfg.moe.intermediate_size
-    w13, w2 = [], []
-    for e in range(cfg.moe.num_experts):
-        gate, up, down = cfg.expert_tensor_names(layer, e)
-        w13.append(torch.cat((checkpoint.get(gate, (i, d)), checkpoint.get(up, (i, d)))))
-        w2.append(checkpoint.get(down, (d, i)))
-    return torch.stack(w13), torch.stack(w2)
 
 
 def moe_reference(x, ids, weights, w13, w2) -> torch.Tensor:

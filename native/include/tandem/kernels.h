@@ -1,0 +1,39 @@
+// The kernel interface: a table of function pointers per ISA variant. Each variant's source file
+// is compiled with only its own instruction-set flags; the driver (moe.cpp) is compiled for the
+// baseline and only calls through the table.
+// T tokens, D hidden size, I expert intermediate size, R rows, C columns.
+#pragma once
+#include <cstdint>
+
+#include "tandem/format.h"
+
+namespace tandem {
+
+// Activations of n tokens for one matrix product: fp32 rows (bf16 weights) or int8 blocks of 32
+// columns with one fp32 scale per block (int8/int4 weights). Token i lives at row index[i] when an
+// index is given, else at row i.
+struct Activations {
+    const float* f = nullptr;   // [rows][C]
+    const int8_t* q = nullptr;  // [rows][C]
+    const float* s = nullptr;   // [rows][C / 32]
+    const int32_t* index = nullptr;
+    int cols = 0;
+
+    int64_t row(int i) const { return index ? index[i] : i; }
+};
+
+// y[i * ldy + (r - r0)] = dot(row r of w, token i of x) for r in [r0, r1), i in [0, n).
+using MatmulFn = void (*)(const Matrix& w, int r0, int r1, const Activations& x, int n, float* y, int ldy);
+// One row of C fp32 values -> int8 blocks of 32 with fp32 scales (C a multiple of 32).
+using QuantizeFn = void (*)(const float* x, int cols, int8_t* q, float* s);
+
+struct KernelTable {
+    const char* name;
+    MatmulFn matmul[kFormats];  // indexed by Format
+    QuantizeFn quantize;
+};
+
+const KernelTable& generic_kernels();
+const KernelTable& avx2_kernels();
+
+}  // namespace tandem

@@ -1,0 +1,171 @@
+// Thin pybind11 bindings: argument validation at the edge, no compute, the GIL released around work.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstdlib>
+#include <memory>
+#include <stdexcept>
+#include <string>
+
+#include "dispatch.h"
+#include "moe.h"
+
+namespace py = pybind11;
+using namespace tandem;
+
+namespace {
+
+const KernelTable* g_active = nullptr;
+
+struct PyLayer {
+    py::object owner;  // keeps the buffer alive
+    MoeLayerView view;
+};
+
+struct PyJob {
+    std::shared_ptr<Job> job;
+    py::object keep;  // the arguments, alive until the job is done
+
+    void wait() {
+        py::gil_scoped_release release;
+        job->wait();
+    }
+};
+
+Format parse_format(const std::string& name) {
+    if (name == "bf16") return Format::BF16;
+    if (name == "int8") return Format::INT8;
+    if (name == "int4") return Format::INT4;
+    throw std::invalid_argument("fmt: unknown format '" + name + "' (bf16, int8, int4)");
+}
+
+std::string shape_of(const py::array& a) {
+    std::string s = "[";
+    for (py::ssize_t i = 0; i < a.ndim(); ++i) s += (i ? ", " : "") + std::to_string(a.shape(i));
+    return s + "]";
+}
+
+// Checks dtype, rank, contiguity and (where given, >= 0) each dimension of an array argument.
+template <typename T>
+void check_array(const py::array& a, const char* name, const char* dtype, std::initializer_list<py::ssize_t> shape) {
+    if (!py::isinstance<py::array_t<T>>(a) || a.dtype().itemsize() != py::ssize_t(sizeof(T)))
+        throw std::invalid_argument(std::string(name) + ": expected dtype " + dtype + ", got " +
+                                    std::string(py::str(a.dtype())));
+    if (a.ndim() != py::ssize_t(shape.size()))
+        throw std::invalid_argument(std::string(name) + ": expected " + std::to_string(shape.size()) + " dims, got shape " +
+                                    shape_of(a));
+    if (!(a.flags() & py::array::c_style)) throw std::invalid_argument(std::string(name) + ": must be C-contiguous");
+    int i = 0;
+    for (py::ssize_t want : shape) {
+        if (want >= 0 && a.shape(i) != want)
+            throw std::invalid_argument(std::string(name) + ": shape " + shape_of(a) + ", dimension " + std::to_string(i) +
+                                        " should be " + std::to_string(want));
+        ++i;
+    }
+}
+
+py::array_t<uint8_t> pack_experts(py::array w13, py::array w2, const std::string& fmt, int group, ThreadPool& pool) {
+    const Format f = parse_format(fmt);
+    check_array<float>(w13, "w13", "float32", {-1, -1, -1});
+    const int E = int(w13.shape(0)), I2 = int(w13.shape(1)), D = int(w13.shape(2));
+    if (E < 1 || D < 1 || I2 < 2 || I2 % 2) throw std::invalid_argument("w13: shape " + shape_of(w13) + " is not [E, 2I, D]");
+    const int I = I2 / 2;
+    check_array<float>(w2, "w2", "float32", {E, D, I});
+    if (f != Format::BF16 && (group < kBlock || group % kBlock || D % group || I % group))
+        throw std::invalid_argument("group_size: " + std::to_string(group) + " must be a multiple of 32 dividing hidden (" +
+                                    std::to_string(D) + ") and intermediate (" + std::to_string(I) + ")");
+    const int g = f == Format::BF16 ? 0 : group;
+    py::array_t<uint8_t> out(py::ssize_t(layer_bytes(f, E, D, I, g)));
+    const float* a = static_cast<const float*>(w13.data());
+    const float* b = static_cast<const float*>(w2.data());
+    uint8_t* dst = out.mutable_data();
+    {
+        py::gil_scoped_release release;
+        pack_layer(pool, a, b, f, E, D, I, g, dst);
+    }
+    return out;
+}
+
+PyLayer make_layer(py::buffer buffer) {
+    py::buffer_info info = buffer.request();
+    if (info.ndim != 1 && !(info.strides.size() == 1 && info.strides[0] == info.itemsize))
+        throw std::invalid_argument("buffer: must be one contiguous run of bytes");
+    const size_t size = size_t(info.size) * size_t(info.itemsize);
+    return PyLayer{buffer, MoeLayerView::parse(static_cast<const uint8_t*>(info.ptr), size)};
+}
+
+MoeCall make_call(const PyLayer& layer, py::array x, py::array ids, py::array weights, py::array out) {
+    const int D = layer.view.hidden;
+    check_array<float>(x, "x", "float32", {-1, D});
+    const py::ssize_t T = x.shape(0);
+    check_array<int64_t>(ids, "ids", "int64", {T, -1});
+    const py::ssize_t K = ids.shape(1);
+    if (K < 1 || K > layer.view.experts) throw std::invalid_argument("ids: top-k " + std::to_string(K) + " out of range");
+    check_array<float>(weights, "weights", "float32", {T, K});
+    check_array<float>(out, "out", "float32", {T, D});
+    if (!out.writeable()) throw std::invalid_argument("out: must be writable");
+    if (out.data() == x.data()) throw std::invalid_argument("out: must not alias x");
+    const int64_t* id = static_cast<const int64_t*>(ids.data());
+    for (py::ssize_t i = 0; i < T * K; ++i)
+        if (id[i] < 0 || id[i] >= layer.view.experts)
+            throw std::invalid_argument("ids: expert id " + std::to_string(id[i]) + " out of range [0, " +
+                                        std::to_string(layer.view.experts) + ")");
+    return MoeCall{&layer.view, static_cast<const float*>(x.data()), id, static_cast<const float*>(weights.data()),
+                   static_cast<float*>(out.mutable_data()), int(T), int(K)};
+}
+
+const KernelTable& table(const std::string& isa) { return isa.empty() ? *g_active : kernels_for(isa); }
+
+PyJob submit(py::object layer_obj, py::array x, py::array ids, py::array weights, py::array out, py::object pool_obj,
+             const std::string& isa) {
+    const PyLayer& layer = layer_obj.cast<const PyLayer&>();
+    ThreadPool& pool = pool_obj.cast<ThreadPool&>();
+    const MoeCall call = make_call(layer, x, ids, weights, out);
+    const KernelTable& k = table(isa);
+    auto job = pool.submit([&pool, &k, call] { moe_forward(pool, k, call); });
+    return PyJob{job, py::make_tuple(layer_obj, x, ids, weights, out, pool_obj)};
+}
+
+}  // namespace
+
+PYBIND11_MODULE(tandem_native, m) {
+    m.doc() = "Tandem's CPU MoE kernels (generic and AVX2 variants, chosen at import)";
+    const char* forced = std::getenv("TANDEM_NATIVE_ISA");
+    g_active = &select_kernels(forced ? forced : "");
+
+    m.def("supported_isas", &supported_isas, "ISA variants this CPU runs, best last");
+    m.def("active_isa", [] { return std::string(g_active->name); });
+
+    py::class_<ThreadPool>(m, "ThreadPool")
+        .def(py::init([](int threads) {
+                 if (threads < 1) throw std::invalid_argument("threads: must be >= 1, got " + std::to_string(threads));
+                 return std::make_unique<ThreadPool>(threads);
+             }),
+             py::arg("threads"))
+        .def_property_readonly("size", &ThreadPool::size);
+
+    py::class_<PyLayer>(m, "MoeLayer")
+        .def(py::init(&make_layer), py::arg("buffer"), "A zero-copy view of a packed layer buffer")
+        .def_property_readonly("format", [](const PyLayer& l) { return std::string(format_name(l.view.format)); })
+        .def_property_readonly("num_experts", [](const PyLayer& l) { return l.view.experts; })
+        .def_property_readonly("hidden", [](const PyLayer& l) { return l.view.hidden; })
+        .def_property_readonly("intermediate", [](const PyLayer& l) { return l.view.intermediate; })
+        .def_property_readonly("group_size", [](const PyLayer& l) { return l.view.group; })
+        .def_property_readonly("nbytes", [](const PyLayer& l) {
+            return layer_bytes(l.view.format, l.view.experts, l.view.hidden, l.view.intermediate, l.view.group);
+        });
+
+    py::class_<PyJob>(m, "MoeJob").def("wait", &PyJob::wait).def("done", [](PyJob& j) { return j.job->done(); });
+
+    m.def("pack_experts", &pack_experts, py::arg("w13"), py::arg("w2"), py::arg("fmt"), py::arg("group_size") = 32,
+          py::arg("pool"), "float32 w13 [E, 2I, D] and w2 [E, D, I] -> a packed layer buffer (uint8)");
+    m.def("moe_submit", &submit, py::arg("layer"), py::arg("x"), py::arg("ids"), py::arg("weights"), py::arg("out"),
+          py::arg("pool"), py::arg("isa") = "", "Start a fused MoE layer call; returns a MoeJob");
+    m.def(
+        "moe_forward",
+        [](py::object layer, py::array x, py::array ids, py::array weights, py::array out, py::object pool,
+           const std::string& isa) { submit(layer, x, ids, weights, out, pool, isa).wait(); },
+        py::arg("layer"), py::arg("x"), py::arg("ids"), py::arg("weights"), py::arg("out"), py::arg("pool"),
+        py::arg("isa") = "", "out[t] = sum_k weights[t,k] * expert_ids[t,k](x[t]), written in place");
+}

@@ -1,0 +1,81 @@
+// The reference kernels: plain C++, built for every CPU, the oracle the ISA variants are tested against.
+#include <algorithm>
+#include <cmath>
+
+#include "tandem/kernels.h"
+
+namespace tandem {
+namespace {
+
+void quantize(const float* x, int cols, int8_t* q, float* s) {
+    for (int b = 0; b < cols / kBlock; ++b) {
+        const float* xb = x + b * kBlock;
+        float amax = 0.f;
+        for (int j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(xb[j]));
+        float scale = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+        s[b] = scale;
+        for (int j = 0; j < kBlock; ++j) q[b * kBlock + j] = int8_t(std::nearbyint(xb[j] * inv));
+    }
+}
+
+void matmul_bf16(const Matrix& w, int r0, int r1, const Activations& x, int n, float* y, int ldy) {
+    const uint16_t* values = reinterpret_cast<const uint16_t*>(w.data);
+    for (int r = r0; r < r1; ++r) {
+        const uint16_t* row = values + int64_t(r) * w.cols;
+        for (int i = 0; i < n; ++i) {
+            const float* xi = x.f + x.row(i) * x.cols;
+            float acc = 0.f;
+            for (int c = 0; c < w.cols; ++c) acc += bf16_to_float(row[c]) * xi[c];
+            y[int64_t(i) * ldy + (r - r0)] = acc;
+        }
+    }
+}
+
+// Shared by int8 and int4: `unpack` turns block b of row r into 32 signed values.
+template <typename Unpack>
+void matmul_int(const Matrix& w, int r0, int r1, const Activations& x, int n, float* y, int ldy, Unpack unpack) {
+    const int blocks = w.cols / kBlock, per_group = w.group / kBlock;
+    int8_t wq[kBlock];
+    for (int r = r0; r < r1; ++r) {
+        const uint16_t* scales = w.scales + int64_t(r) * (w.cols / w.group);
+        for (int i = 0; i < n; ++i) {
+            const int8_t* xq = x.q + x.row(i) * x.cols;
+            const float* xs = x.s + x.row(i) * blocks;
+            float acc = 0.f;
+            for (int b = 0; b < blocks; ++b) {
+                unpack(r, b, wq);
+                int32_t dot = 0;
+                for (int j = 0; j < kBlock; ++j) dot += int32_t(wq[j]) * xq[b * kBlock + j];
+                acc += float(dot) * (xs[b] * fp16_to_float(scales[b / per_group]));
+            }
+            y[int64_t(i) * ldy + (r - r0)] = acc;
+        }
+    }
+}
+
+void matmul_int8(const Matrix& w, int r0, int r1, const Activations& x, int n, float* y, int ldy) {
+    const int8_t* values = reinterpret_cast<const int8_t*>(w.data);
+    matmul_int(w, r0, r1, x, n, y, ldy, [&](int r, int b, int8_t* out) {
+        const int8_t* src = values + int64_t(r) * w.cols + b * kBlock;
+        std::copy(src, src + kBlock, out);
+    });
+}
+
+void matmul_int4(const Matrix& w, int r0, int r1, const Activations& x, int n, float* y, int ldy) {
+    matmul_int(w, r0, r1, x, n, y, ldy, [&](int r, int b, int8_t* out) {
+        const uint8_t* src = w.data + (int64_t(r) * w.cols + b * kBlock) / 2;
+        for (int j = 0; j < kBlock / 2; ++j) {
+            out[j] = kInt4Levels[src[j] & 0x0f];
+            out[j + kBlock / 2] = kInt4Levels[src[j] >> 4];
+        }
+    });
+}
+
+}  // namespace
+
+const KernelTable& generic_kernels() {
+    static const KernelTable table{"generic", {matmul_bf16, matmul_int8, matmul_int4}, quantize};
+    return table;
+}
+
+}  // namespace tandem

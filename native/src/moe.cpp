@@ -1,0 +1,345 @@
+#include "moe.h"
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace tandem {
+
+namespace {
+
+constexpr int kRowBlock = 32;  // weight rows per task: a multiple of every kernel's row tile
+
+std::string dims(const Header& h) {
+    return std::to_string(h.num_experts) + " experts, hidden " + std::to_string(h.hidden) + ", intermediate " +
+           std::to_string(h.intermediate) + ", group " + std::to_string(h.group_size);
+}
+
+void check_scales(const MoeLayerView& v) {
+    if (v.format == Format::BF16) return;
+    for (int e = 0; e < v.experts; ++e)
+        for (const Matrix& m : {v.w13(e), v.w2(e)}) {
+            const size_t n = size_t(m.rows) * (m.cols / m.group);
+            for (size_t i = 0; i < n; ++i)
+                if (!std::isfinite(fp16_to_float(m.scales[i])))
+                    throw std::invalid_argument("buffer: non-finite scale in expert " + std::to_string(e));
+        }
+}
+
+}  // namespace
+
+MoeLayerView MoeLayerView::parse(const uint8_t* data, size_t size) {
+    if (size < sizeof(Header)) throw std::invalid_argument("buffer: too small for a layer header");
+    Header h;
+    std::memcpy(&h, data, sizeof h);
+    if (std::memcmp(h.magic, kMagic, sizeof kMagic) != 0) throw std::invalid_argument("buffer: not a packed MoE layer");
+    if (h.version != kLayoutVersion)
+        throw std::invalid_argument("buffer: layout version " + std::to_string(h.version) + ", expected " +
+                                    std::to_string(kLayoutVersion));
+    if (h.format >= uint32_t(kFormats)) throw std::invalid_argument("buffer: unknown format");
+    const bool quantized = h.format != uint32_t(Format::BF16);
+    if (!h.num_experts || !h.hidden || !h.intermediate || h.num_experts > (1u << 20) || h.hidden > (1u << 20) ||
+        h.intermediate > (1u << 20) || (quantized && (!h.group_size || h.group_size % kBlock ||
+                                                      h.hidden % h.group_size || h.intermediate % h.group_size)))
+        throw std::invalid_argument("buffer: inconsistent header (" + dims(h) + ")");
+    MoeLayerView v;
+    v.base = data;
+    v.format = Format(h.format);
+    v.experts = int(h.num_experts);
+    v.hidden = int(h.hidden);
+    v.intermediate = int(h.intermediate);
+    v.group = quantized ? int(h.group_size) : 0;
+    const size_t need = layer_bytes(v.format, v.experts, v.hidden, v.intermediate, v.group);
+    if (h.total_bytes != need || size < need)
+        throw std::invalid_argument("buffer: " + std::to_string(size) + " bytes, the header (" + dims(h) + ") needs " +
+                                    std::to_string(need));
+    check_scales(v);
+    return v;
+}
+
+Matrix MoeLayerView::w13(int e) const {
+    const uint8_t* p = base + sizeof(Header) + size_t(e) * expert_bytes(format, hidden, intermediate, group);
+    return matrix_at(p, format, 2 * intermediate, hidden, group);
+}
+
+Matrix MoeLayerView::w2(int e) const {
+    const uint8_t* p = base + sizeof(Header) + size_t(e) * expert_bytes(format, hidden, intermediate, group) +
+                       matrix_bytes(format, 2 * intermediate, hidden, group);
+    return matrix_at(p, format, hidden, intermediate, group);
+}
+
+// ---------------------------------------------------------------- packing
+
+namespace {
+
+// Quantization of one group of n weights with one scale: int8 rounds w / scale to [-127, 127];
+// int4 picks the nearest of kInt4Levels (stored as its index).
+struct GroupQuantizer {
+    Format format;
+
+    int code(float v) const {  // v = w / scale
+        if (format == Format::INT8) return int(std::max(-127.f, std::min(127.f, std::nearbyint(v))));
+        static const auto mids = [] {
+            std::array<float, 15> m{};
+            for (int i = 0; i < 15; ++i) m[i] = 0.5f * (kInt4Levels[i] + kInt4Levels[i + 1]);
+            return m;
+        }();
+        return int(std::upper_bound(mids.begin(), mids.end(), v) - mids.begin());
+    }
+    float level(int q) const { return format == Format::INT8 ? float(q) : float(kInt4Levels[q]); }
+
+    float error(const float* w, int n, float scale) const {
+        const float inv = scale > 0.f ? 1.f / scale : 0.f;
+        float err = 0.f;
+        for (int j = 0; j < n; ++j) {
+            const float d = w[j] - scale * level(code(w[j] * inv));
+            err += d * d;
+        }
+        return err;
+    }
+
+    // The least-squares scale for the codes chosen with `scale`.
+    float refit(const float* w, int n, float scale) const {
+        const float inv = scale > 0.f ? 1.f / scale : 0.f;
+        float wl = 0.f, ll = 0.f;
+        for (int j = 0; j < n; ++j) {
+            const float l = level(code(w[j] * inv));
+            wl += w[j] * l;
+            ll += l * l;
+        }
+        return ll > 0.f ? wl / ll : 0.f;
+    }
+
+    // The group's fp16 scale: amax / 127 for int8; for int4 the best of a few candidates and their
+    // least-squares refits, since at 16 levels the choice matters.
+    uint16_t scale(const float* w, int n, float amax) const {
+        uint16_t best = float_to_fp16(amax / 127.f);
+        if (format == Format::INT8) return best;
+        float best_err = error(w, n, fp16_to_float(best));
+        for (float d : {110.f, 127.f}) {
+            for (float s : {amax / d, refit(w, n, amax / d)}) {
+                const uint16_t h = float_to_fp16(s);
+                const float err = error(w, n, fp16_to_float(h));
+                if (err < best_err) best = h, best_err = err;
+            }
+        }
+        return best;
+    }
+};
+
+// Quantizes one row of C values; returns false on a non-finite value or scale.
+bool pack_row(const float* w, Format f, int cols, int group, uint8_t* values, uint16_t* scales) {
+    if (f == Format::BF16) {
+        auto* out = reinterpret_cast<uint16_t*>(values);
+        bool ok = true;
+        for (int c = 0; c < cols; ++c) {
+            ok &= std::isfinite(w[c]);
+            out[c] = float_to_bf16(w[c]);
+        }
+        return ok;
+    }
+    const GroupQuantizer quant{f};
+    for (int g = 0; g < cols / group; ++g) {
+        const float* wg = w + g * group;
+        float amax = 0.f;
+        for (int j = 0; j < group; ++j) {
+            if (!std::isfinite(wg[j])) return false;
+            amax = std::max(amax, std::fabs(wg[j]));
+        }
+        scales[g] = quant.scale(wg, group, amax);
+        const float scale = fp16_to_float(scales[g]);
+        if (!std::isfinite(scale)) return false;
+        const float inv = scale > 0.f ? 1.f / scale : 0.f;
+        for (int j = 0; j < group; ++j) {
+            const int q = quant.code(wg[j] * inv), c = g * group + j;
+            if (f == Format::INT8) {
+                values[c] = uint8_t(int8_t(q));
+            } else {  // nibble layout of format.h: column j and j + 16 of each 32-column block share a byte
+                uint8_t& byte = values[(c / kBlock) * (kBlock / 2) + (c % (kBlock / 2))];
+                byte = (c % kBlock) < kBlock / 2 ? uint8_t((byte & 0xf0) | q) : uint8_t((byte & 0x0f) | (q << 4));
+            }
+        }
+    }
+    return true;
+}
+
+size_t row_value_bytes(Format f, int cols) {
+    return f == Format::BF16 ? size_t(cols) * 2 : f == Format::INT8 ? size_t(cols) : size_t(cols) / 2;
+}
+
+}  // namespace
+
+void pack_layer(ThreadPool& pool, const float* w13, const float* w2, Format f, int experts, int hidden,
+                int intermediate, int group, uint8_t* dst) {
+    Header h{};
+    std::memcpy(h.magic, kMagic, sizeof kMagic);
+    h.version = kLayoutVersion;
+    h.format = uint32_t(f);
+    h.group_size = f == Format::BF16 ? 0 : uint32_t(group);
+    h.num_experts = uint32_t(experts);
+    h.hidden = uint32_t(hidden);
+    h.intermediate = uint32_t(intermediate);
+    h.total_bytes = layer_bytes(f, experts, hidden, intermediate, f == Format::BF16 ? 0 : group);
+    std::memset(dst, 0, h.total_bytes);
+    std::memcpy(dst, &h, sizeof h);
+    MoeLayerView v;
+    v.base = dst;
+    v.format = f;
+    v.experts = experts;
+    v.hidden = hidden;
+    v.intermediate = intermediate;
+    v.group = int(h.group_size);
+    std::atomic<int> bad{-1};
+    const int per_expert = 2 * intermediate + hidden;  // w13 rows, then w2 rows
+    pool.submit([&] {
+        pool.parallel_for(experts * ((per_expert + kRowBlock - 1) / kRowBlock), [&](int task) {
+            const int blocks = (per_expert + kRowBlock - 1) / kRowBlock;
+            const int e = task / blocks, r0 = (task % blocks) * kRowBlock;
+            for (int r = r0; r < std::min(per_expert, r0 + kRowBlock); ++r) {
+                const bool first = r < 2 * intermediate;
+                const Matrix m = first ? v.w13(e) : v.w2(e);
+                const int row = first ? r : r - 2 * intermediate;
+                const float* src = first ? w13 + (size_t(e) * 2 * intermediate + row) * hidden
+                                         : w2 + (size_t(e) * hidden + row) * intermediate;
+                uint8_t* values = const_cast<uint8_t*>(m.data) + row * row_value_bytes(f, m.cols);
+                uint16_t* scales = m.scales ? const_cast<uint16_t*>(m.scales) + size_t(row) * (m.cols / group) : nullptr;
+                if (!pack_row(src, f, m.cols, group, values, scales)) bad = first ? 0 : 1;
+            }
+        });
+    })->wait();
+    if (bad >= 0)
+        throw std::invalid_argument(std::string(bad == 0 ? "w13" : "w2") +
+                                    ": non-finite value, or a scale beyond fp16's range");
+}
+
+// ---------------------------------------------------------------- forward
+
+namespace {
+
+float silu(float v) { return v / (1.f + std::exp(-v)); }
+
+struct Plan {  // tokens grouped by expert; a = index of an active expert
+    std::vector<int> experts;       // [A] expert id
+    std::vector<int> start;         // [A + 1] offsets into tokens / weights
+    std::vector<int32_t> tokens;    // [T * K] token index, grouped by expert
+    std::vector<float> weights;     // [T * K]
+};
+
+Plan plan(const MoeCall& c, int num_experts) {
+    std::vector<int> count(num_experts, 0);
+    const int n = c.tokens * c.top_k;
+    for (int i = 0; i < n; ++i) ++count[c.ids[i]];
+    Plan p;
+    std::vector<int> slot(num_experts, -1);
+    p.start.push_back(0);
+    for (int e = 0; e < num_experts; ++e)
+        if (count[e]) {
+            slot[e] = int(p.experts.size());
+            p.experts.push_back(e);
+            p.start.push_back(p.start.back() + count[e]);
+        }
+    p.tokens.resize(n);
+    p.weights.resize(n);
+    std::vector<int> fill(p.start.begin(), p.start.end() - 1);
+    for (int i = 0; i < n; ++i) {
+        const int a = slot[c.ids[i]];
+        p.tokens[fill[a]] = i / c.top_k;
+        p.weights[fill[a]++] = c.weights[i];
+    }
+    return p;
+}
+
+struct Quantized {  // int8 blocks of activations, for integer-format weights
+    std::vector<int8_t> q;
+    std::vector<float> s;
+
+    void resize(int rows, int cols) {
+        q.resize(size_t(rows) * cols);
+        s.resize(size_t(rows) * (cols / kBlock));
+    }
+};
+
+void quantize_rows(ThreadPool& pool, const KernelTable& k, const float* x, int rows, int cols, Quantized& out) {
+    out.resize(rows, cols);
+    const int chunk = 16;
+    pool.parallel_for((rows + chunk - 1) / chunk, [&](int task) {
+        for (int r = task * chunk; r < std::min(rows, (task + 1) * chunk); ++r)
+            k.quantize(x + size_t(r) * cols, cols, out.q.data() + size_t(r) * cols, out.s.data() + size_t(r) * (cols / kBlock));
+    });
+}
+
+Activations activations(const float* f, const Quantized* q, const int32_t* index, int cols, size_t first_row) {
+    Activations a;
+    a.cols = cols;
+    a.index = index;
+    if (q) {
+        a.q = q->q.data() + first_row * cols;
+        a.s = q->s.data() + first_row * (cols / kBlock);
+    } else {
+        a.f = f + first_row * cols;
+    }
+    return a;
+}
+
+}  // namespace
+
+void moe_forward(ThreadPool& pool, const KernelTable& k, const MoeCall& c) {
+    const MoeLayerView& L = *c.layer;
+    const int D = L.hidden, I = L.intermediate, F = int(L.format);
+    const bool quantized = L.format != Format::BF16;
+    std::fill(c.out, c.out + size_t(c.tokens) * D, 0.f);
+    if (c.tokens == 0) return;
+    const Plan p = plan(c, L.experts);
+    const int A = int(p.experts.size()), rows = p.start[A];
+
+    Quantized xq;  // [T, D]
+    if (quantized) quantize_rows(pool, k, c.x, c.tokens, D, xq);
+
+    // Phase 1: gate and up projections, [rows, 2I], one task per (active expert, block of w13 rows).
+    std::vector<float> hu(size_t(rows) * 2 * I);
+    const int up_blocks = (2 * I + kRowBlock - 1) / kRowBlock;
+    pool.parallel_for(A * up_blocks, [&](int task) {
+        const int a = task / up_blocks, r0 = (task % up_blocks) * kRowBlock, r1 = std::min(2 * I, r0 + kRowBlock);
+        const int n = p.start[a + 1] - p.start[a];
+        const Activations x = activations(c.x, quantized ? &xq : nullptr, p.tokens.data() + p.start[a], D, 0);
+        k.matmul[F](L.w13(p.experts[a]), r0, r1, x, n, hu.data() + size_t(p.start[a]) * 2 * I + r0, 2 * I);
+    });
+
+    // Phase 2: h = silu(gate) * up, [rows, I], quantized for integer formats.
+    std::vector<float> h(size_t(rows) * I);
+    const int chunk = 8;
+    pool.parallel_for((rows + chunk - 1) / chunk, [&](int task) {
+        for (int r = task * chunk; r < std::min(rows, (task + 1) * chunk); ++r) {
+            const float* g = hu.data() + size_t(r) * 2 * I;
+            for (int j = 0; j < I; ++j) h[size_t(r) * I + j] = silu(g[j]) * g[I + j];
+        }
+    });
+    Quantized hq;
+    if (quantized) quantize_rows(pool, k, h.data(), rows, I, hq);
+
+    // Phase 3: down projections; a task owns a block of output columns for every token, so the
+    // weighted sum over experts is race-free and in a fixed order whatever the thread count.
+    const int down_blocks = (D + kRowBlock - 1) / kRowBlock;
+    pool.parallel_for(down_blocks, [&](int task) {
+        const int r0 = task * kRowBlock, r1 = std::min(D, r0 + kRowBlock), width = r1 - r0;
+        thread_local std::vector<float> y;
+        for (int a = 0; a < A; ++a) {
+            const int n = p.start[a + 1] - p.start[a];
+            y.resize(size_t(n) * width);
+            const Activations x = activations(h.data(), quantized ? &hq : nullptr, nullptr, I, p.start[a]);
+            k.matmul[F](L.w2(p.experts[a]), r0, r1, x, n, y.data(), width);
+            for (int i = 0; i < n; ++i) {
+                float* o = c.out + size_t(p.tokens[p.start[a] + i]) * D + r0;
+                const float w = p.weights[p.start[a] + i];
+                for (int j = 0; j < width; ++j) o[j] += w * y[size_t(i) * width + j];
+            }
+        }
+    });
+}
+
+}  // namespace tandem

@@ -1,0 +1,140 @@
+#include "pool.h"
+
+#include <chrono>
+#include <stdexcept>
+
+namespace tandem {
+
+namespace {
+constexpr auto kSpin = std::chrono::microseconds(50);
+}
+
+void Job::finish(std::exception_ptr error) {
+    std::lock_guard<std::mutex> lock(mu_);
+    error_ = error;
+    done_ = true;
+    cv_.notify_all();
+}
+
+bool Job::done() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return done_;
+}
+
+void Job::wait() {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [&] { return done_; });
+    if (error_) std::rethrow_exception(error_);
+}
+
+ThreadPool::ThreadPool(int threads) {
+    if (threads < 1) throw std::invalid_argument("threads must be >= 1");
+    coordinator_ = std::thread([this] { coordinator_loop(); });
+    for (int i = 1; i < threads; ++i) helpers_.emplace_back([this] { helper_loop(); });
+}
+
+ThreadPool::~ThreadPool() {
+    {
+        std::lock_guard<std::mutex> lock(mu_);
+        stop_ = true;
+    }
+    jobs_cv_.notify_all();
+    work_cv_.notify_all();
+    coordinator_.join();
+    for (auto& t : helpers_) t.join();
+}
+
+std::shared_ptr<Job> ThreadPool::submit(std::function<void()> work) {
+    auto job = std::make_shared<Job>();
+    {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (stop_) throw std::runtime_error("thread pool is shut down");
+        jobs_.emplace_back(std::move(work), job);
+    }
+    jobs_cv_.notify_one();
+    return job;
+}
+
+void ThreadPool::coordinator_loop() {
+    for (;;) {
+        std::pair<std::function<void()>, std::shared_ptr<Job>> item;
+        {
+            std::unique_lock<std::mutex> lock(mu_);
+            jobs_cv_.wait(lock, [&] { return stop_ || !jobs_.empty(); });
+            if (jobs_.empty()) return;
+            item = std::move(jobs_.front());
+            jobs_.pop_front();
+        }
+        std::exception_ptr error;
+        try {
+            item.first();
+        } catch (...) {
+            error = std::current_exception();
+        }
+        item.second->finish(error);
+    }
+}
+
+bool ThreadPool::spin_until(const std::function<bool()>& ready) {
+    auto end = std::chrono::steady_clock::now() + kSpin;
+    while (std::chrono::steady_clock::now() < end)
+        for (int i = 0; i < 64; ++i)
+            if (ready()) return true;
+    return false;
+}
+
+void ThreadPool::run_tasks() {
+    try {
+        for (int t; (t = next_.fetch_add(1)) < n_;) {
+            (*fn_)(t);
+            done_.fetch_add(1);
+        }
+    } catch (...) {  // stop handing out tasks; the coordinator rethrows once everyone has left
+        std::lock_guard<std::mutex> lock(mu_);
+        if (!task_error_) task_error_ = std::current_exception();
+        failed_ = true;
+        next_ = n_;
+    }
+}
+
+void ThreadPool::helper_loop() {
+    uint64_t seen = 0;
+    for (;;) {
+        spin_until([&] { return generation_.load() != seen; });
+        {
+            std::unique_lock<std::mutex> lock(mu_);
+            work_cv_.wait(lock, [&] { return stop_ || generation_.load() != seen; });
+            if (stop_) return;
+            seen = generation_.load();
+            active_.fetch_add(1);
+        }
+        run_tasks();
+        std::lock_guard<std::mutex> lock(mu_);
+        if (active_.fetch_sub(1) == 1) done_cv_.notify_all();
+    }
+}
+
+void ThreadPool::parallel_for(int n, const std::function<void(int)>& fn) {
+    if (n <= 0) return;
+    {
+        std::lock_guard<std::mutex> lock(mu_);
+        fn_ = &fn;
+        n_ = n;
+        next_ = 0;
+        done_ = 0;
+        task_error_ = nullptr;
+        failed_ = false;
+        generation_.fetch_add(1);
+    }
+    if (!helpers_.empty() && n > 1) work_cv_.notify_all();
+    run_tasks();
+    auto finished = [&] { return active_.load() == 0 && next_.load() >= n && (done_.load() == n || failed_.load()); };
+    if (!spin_until(finished)) {
+        std::unique_lock<std::mutex> lock(mu_);
+        done_cv_.wait(lock, finished);
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    if (task_error_) std::rethrow_exception(task_error_);
+}
+
+}  // namespace tandem

@@ -1,0 +1,64 @@
+// A persistent worker pool: one coordinator thread runs submitted jobs in order; inside a job,
+// parallel_for spreads tasks over the coordinator and the helper threads. Idle threads spin briefly,
+// then sleep on a condition variable, so no core burns between calls.
+#pragma once
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+namespace tandem {
+
+class Job {
+public:
+    void wait();  // rethrows the job's exception, if any
+    bool done();
+
+private:
+    friend class ThreadPool;
+    void finish(std::exception_ptr error);
+    std::mutex mu_;
+    std::condition_variable cv_;
+    bool done_ = false;
+    std::exception_ptr error_;
+};
+
+class ThreadPool {
+public:
+    explicit ThreadPool(int threads);
+    ~ThreadPool();
+    ThreadPool(const ThreadPool&) = delete;
+    ThreadPool& operator=(const ThreadPool&) = delete;
+
+    int size() const { return int(helpers_.size()) + 1; }
+    std::shared_ptr<Job> submit(std::function<void()> work);
+    // Only from inside a submitted job (the coordinator thread).
+    void parallel_for(int n, const std::function<void(int)>& fn);
+
+private:
+    void coordinator_loop();
+    void helper_loop();
+    void run_tasks();
+    bool spin_until(const std::function<bool()>& ready);
+
+    std::mutex mu_;
+    std::condition_variable work_cv_, done_cv_, jobs_cv_;
+    std::deque<std::pair<std::function<void()>, std::shared_ptr<Job>>> jobs_;
+    const std::function<void(int)>* fn_ = nullptr;
+    int n_ = 0;
+    std::atomic<int> next_{0}, done_{0}, active_{0};
+    std::atomic<uint64_t> generation_{0};
+    bool stop_ = false;
+    std::exception_ptr task_error_;
+    std::atomic<bool> failed_{false};  // first exception thrown by a task of the current parallel_for
+    std::thread coordinator_;
+    std::vector<std::thread> helpers_;
+};
+
+}  // namespace tandem

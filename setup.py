@@ -1,0 +1,39 @@
+"""Builds the native kernels (tandem_native): each ISA variant compiled with only its own flags."""
+
+from pathlib import Path
+
+from pybind11.setup_helpers import Pybind11Extension
+from setuptools import setup
+from setuptools.command.build_ext import build_ext
+
+NATIVE = Path("native")
+COMMON_FLAGS = ["-std=c++17", "-O3", "-fvisibility=hidden", "-pthread"]
+# variant folder -> its instruction-set flags; generic code gets none beyond the x86-64 baseline
+VARIANTS = {"generic": [], "avx2": ["-mavx2", "-mfma", "-mf16c"]}
+
+
+class BuildVariants(build_ext):
+    """Compiles each native/src/<variant>/*.cpp with that variant's flags, then links them in."""
+
+    def build_extension(self, ext):
+        objects = []
+        for variant, flags in VARIANTS.items():
+            sources = sorted(str(p) for p in (NATIVE / "src" / variant).glob("*.cpp"))
+            objects += self.compiler.compile(
+                sources, output_dir=self.build_temp, include_dirs=[str(NATIVE / "include")],
+                extra_postargs=COMMON_FLAGS + flags,
+            )
+        ext.extra_objects = objects
+        super().build_extension(ext)
+
+
+ext = Pybind11Extension(
+    "tandem_native",
+    sorted(str(p) for p in (NATIVE / "src").glob("*.cpp")),
+    include_dirs=[str(NATIVE / "include"), str(NATIVE / "src")],
+    extra_compile_args=COMMON_FLAGS,
+    extra_link_args=["-pthread"],
+    cxx_std=17,
+)
+
+setup(ext_modules=[ext], cmdclass={"build_ext": BuildVariants})

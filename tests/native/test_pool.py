@@ -1,0 +1,75 @@
+"""The worker pool: asynchronous submit/wait, the GIL released, no core spinning when idle."""
+
+import resource
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from tests.reference.moe import random_layer, random_routing
+
+tn = pytest.importorskip("tandem_native")
+pytestmark = pytest.mark.native
+
+E, D, I, K = 32, 512, 256, 8
+
+
+@pytest.fixture(scope="module")
+def setup():
+    pool = tn.ThreadPool(2)
+    layer = tn.MoeLayer(tn.pack_experts(*random_layer(np.random.default_rng(1), E, D, I), "bf16", 32, pool))
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((256, D), dtype=np.float32)
+    return pool, layer, x, *random_routing(rng, 256, E, K)
+
+
+def test_submit_returns_before_the_work_is_done_and_wait_gives_the_same_result(setup):
+    pool, layer, x, ids, w = setup
+    expected = np.zeros_like(x)
+    tn.moe_forward(layer, x, ids, w, expected, pool)
+    out = np.full_like(x, np.nan)
+    job = tn.moe_submit(layer, x, ids, w, out, pool)
+    assert not job.done()  # the caller is free to overlap other work here
+    job.wait()
+    assert job.done() and np.array_equal(out, expected)
+
+
+def test_the_gil_is_released_while_computing(setup):
+    pool, layer, x, ids, w = setup
+    ticks = 0
+    stop = threading.Event()
+
+    def count():
+        nonlocal ticks
+        while not stop.is_set():
+            ticks += 1
+
+    counter = threading.Thread(target=count)
+    counter.start()
+    out = np.zeros_like(x)
+    start = time.perf_counter()
+    for _ in range(5):
+        tn.moe_forward(layer, x, ids, w, out, pool)
+    elapsed = time.perf_counter() - start
+    stop.set()
+    counter.join()
+    assert elapsed > 0.01 and ticks > 1000  # Python kept running while the kernels did
+
+
+def test_idle_workers_sleep(setup):
+    pool, layer, x, ids, w = setup
+    tn.moe_forward(layer, x, ids, w, np.zeros_like(x), pool)
+    before = resource.getrusage(resource.RUSAGE_SELF)
+    time.sleep(0.5)
+    after = resource.getrusage(resource.RUSAGE_SELF)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    assert cpu < 0.05  # seconds of CPU over half a second idle, all threads together
+
+
+def test_a_pool_can_be_dropped_and_recreated_many_times(setup):
+    _, layer, x, ids, w = setup
+    for threads in (1, 2, 3) * 5:
+        out = np.zeros((4, D), np.float32)
+        tn.moe_forward(layer, x[:4], ids[:4], w[:4], out, tn.ThreadPool(threads))
+        assert np.isfinite(out).all()

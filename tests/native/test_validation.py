@@ -1,0 +1,157 @@
+"""Bad arguments at the binding edge raise ValueError naming the argument; nothing crashes."""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tests.reference.moe import random_layer
+
+tn = pytest.importorskip("tandem_native")
+pytestmark = pytest.mark.native
+
+E, D, I, K, T = 8, 64, 32, 2, 3
+
+
+@pytest.fixture(scope="module")
+def pool():
+    return tn.ThreadPool(2)
+
+
+@pytest.fixture(scope="module")
+def weights():
+    return random_layer(np.random.default_rng(0), E, D, I)
+
+
+@pytest.fixture(scope="module")
+def buffer(weights, pool):
+    return tn.pack_experts(*weights, "int8", 32, pool)
+
+
+@pytest.fixture(scope="module")
+def layer(buffer):
+    return tn.MoeLayer(buffer)
+
+
+def args(**override):
+    a = dict(
+        x=np.ones((T, D), np.float32), ids=np.zeros((T, K), np.int64) + np.arange(K),
+        weights=np.ones((T, K), np.float32), out=np.zeros((T, D), np.float32),
+    )
+    a.update(override)
+    return a
+
+
+@pytest.mark.parametrize("override, message", [
+    (dict(x=np.ones((T, D), np.float64)), "x: expected dtype float32"),
+    (dict(x=np.ones((T, D + 32), np.float32)), r"x: shape \[3, 96\], dimension 1 should be 64"),
+    (dict(x=np.ones((T, 2 * D), np.float32)[:, ::2]), "x: must be C-contiguous"),
+    (dict(x=np.ones((D,), np.float32)), "x: expected 2 dims"),
+    (dict(ids=np.zeros((T, K), np.int32)), "ids: expected dtype int64"),
+    (dict(ids=np.full((T, K), E, np.int64)), r"ids: expert id 8 out of range \[0, 8\)"),
+    (dict(ids=np.full((T, K), -1, np.int64)), "ids: expert id -1 out of range"),
+    (dict(ids=np.zeros((T + 1, K), np.int64)), "ids: shape"),
+    (dict(weights=np.ones((T, K + 1), np.float32)), "weights: shape"),
+    (dict(weights=np.ones((T, K), np.float16)), "weights: expected dtype float32"),
+    (dict(out=np.zeros((T, D), np.float64)), "out: expected dtype float32"),
+    (dict(out=np.zeros((T + 1, D), np.float32)), "out: shape"),
+])
+def test_bad_call_arguments(layer, pool, override, message):
+    with pytest.raises(ValueError, match=message):
+        tn.moe_forward(layer, pool=pool, **args(**override))
+    out = np.zeros((T, D), np.float32)
+    tn.moe_forward(layer, pool=pool, **args(out=out))  # and the layer still works
+    assert np.abs(out).sum() > 0
+
+
+def test_out_must_not_alias_x(layer, pool):
+    x = np.ones((T, D), np.float32)
+    with pytest.raises(ValueError, match="out: must not alias x"):
+        tn.moe_forward(layer, pool=pool, **args(x=x, out=x))
+
+
+@pytest.mark.parametrize("kind, message", [
+    ("w13_dtype", "w13: expected dtype float32"),
+    ("w2_shape", r"w2: shape \[8, 64, 16\], dimension 2 should be 32"),
+    ("fmt", "fmt: unknown format 'int3'"),
+    ("group", "group_size: 48 must be a multiple of 32"),
+    ("nan", "w13: non-finite value"),
+    ("huge", "w2: non-finite value, or a scale beyond fp16's range"),
+])
+def test_bad_pack_arguments(weights, pool, kind, message):
+    w13, w2 = weights
+    fmt, group = "int8", 32
+    if kind == "w13_dtype":
+        w13 = w13.astype(np.float64)
+    elif kind == "w2_shape":
+        w2 = w2[:, :, :16].copy()
+    elif kind == "fmt":
+        fmt = "int3"
+    elif kind == "group":
+        group = 48
+    elif kind == "nan":
+        w13 = w13.copy()
+        w13[3, 5, 7] = np.nan
+    else:
+        w2 = w2.copy()
+        w2[1, 2, 3] = 1e12
+    with pytest.raises(ValueError, match=message):
+        tn.pack_experts(w13, w2, fmt, group, pool)
+
+
+def test_non_finite_scale_in_a_buffer(buffer):
+    bad = buffer.copy()
+    header, values = 64, 2 * I * D  # expert 0's w13 int8 values come first, then its fp16 scales
+    bad[header + values : header + values + 2] = np.frombuffer(np.float16(np.inf).tobytes(), np.uint8)
+    with pytest.raises(ValueError, match="buffer: non-finite scale in expert 0"):
+        tn.MoeLayer(bad)
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda b: b[:100], "buffer: 100 bytes"),
+    (lambda b: b[:10], "buffer: too small"),
+    (lambda b: np.concatenate([np.frombuffer(b"XXXXXXXX", np.uint8), b[8:]]), "buffer: not a packed MoE layer"),
+])
+def test_truncated_or_foreign_buffers(buffer, damage, message):
+    with pytest.raises(ValueError, match=message):
+        tn.MoeLayer(damage(buffer))
+
+
+def test_a_packed_buffer_maps_back_from_a_file_without_copying(buffer, layer, pool, tmp_path):
+    import mmap
+
+    path = tmp_path / "layer.bin"
+    buffer.tofile(path)
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+        mapped = tn.MoeLayer(mm)
+        a, b = np.zeros((T, D), np.float32), np.zeros((T, D), np.float32)
+        tn.moe_forward(mapped, pool=pool, **args(out=a))
+        tn.moe_forward(layer, pool=pool, **args(out=b))
+        assert np.array_equal(a, b)
+        del mapped
+
+
+def test_thread_count_must_be_positive():
+    with pytest.raises(ValueError, match="threads: must be >= 1"):
+        tn.ThreadPool(0)
+
+
+def _import_with_isa(isa: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "TANDEM_NATIVE_ISA": isa}
+    code = "import tandem_native as tn; print(tn.active_isa())"
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+
+
+def test_environment_variable_forces_a_lower_variant():
+    for isa in tn.supported_isas():
+        result = _import_with_isa(isa)
+        assert result.returncode == 0 and result.stdout.strip() == isa
+
+
+@pytest.mark.parametrize("isa, message", [("amx", "not supported|unknown"), ("sse9", "unknown ISA variant 'sse9'")])
+def test_forcing_a_variant_the_cpu_lacks_is_a_clear_error(isa, message):
+    result = _import_with_isa(isa)
+    assert result.returncode != 0
+    assert any(word in result.stderr for word in message.split("|"))

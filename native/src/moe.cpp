@@ -80,16 +80,24 @@ namespace {
 // Quantization of one group of n weights with one scale: int8 rounds w / scale to [-127, 127];
 // int4 picks the nearest of kInt4Levels (stored as its index).
 struct GroupQuantizer {
+    static constexpr int kHalfRange = 512;  // the int4 code table spans v in [-256, 256)
     Format format;
 
     int code(float v) const {  // v = w / scale
         if (format == Format::INT8) return int(std::max(-127.f, std::min(127.f, std::nearbyint(v))));
-        static const auto mids = [] {
-            std::array<float, 15> m{};
-            for (int i = 0; i < 15; ++i) m[i] = 0.5f * (kInt4Levels[i] + kInt4Levels[i + 1]);
-            return m;
+        // Level midpoints are multiples of 1/2, so the nearest level is constant on each
+        // [k/2, (k+1)/2): a table indexed by floor(2v) gives it exactly.
+        static const auto table = [] {
+            std::array<uint8_t, 2 * kHalfRange> t{};
+            for (int k = 0; k < 2 * kHalfRange; ++k) {
+                int q = 0;
+                while (q < 15 && 0.5f * (kInt4Levels[q] + kInt4Levels[q + 1]) <= 0.5f * (k - kHalfRange)) ++q;
+                t[k] = uint8_t(q);
+            }
+            return t;
         }();
-        return int(std::upper_bound(mids.begin(), mids.end(), v) - mids.begin());
+        const int k = int(std::floor(2.f * std::max(-256.f, std::min(255.f, v)))) + kHalfRange;
+        return table[k];
     }
     float level(int q) const { return format == Format::INT8 ? float(q) : float(kInt4Levels[q]); }
 
@@ -121,14 +129,11 @@ struct GroupQuantizer {
         uint16_t best = float_to_fp16(amax / 127.f);
         if (format == Format::INT8) return best;
         float best_err = error(w, n, fp16_to_float(best));
-        for (float d : {110.f, 127.f}) {
-            for (float s : {amax / d, refit(w, n, amax / d)}) {
-                const uint16_t h = float_to_fp16(s);
-                const float err = error(w, n, fp16_to_float(h));
-                if (err < best_err) best = h, best_err = err;
-            }
-        }
-        return best;
+        const uint16_t narrow = float_to_fp16(amax / 110.f);
+        const float narrow_err = error(w, n, fp16_to_float(narrow));
+        if (narrow_err < best_err) best = narrow, best_err = narrow_err;
+        const uint16_t refit_scale = float_to_fp16(refit(w, n, fp16_to_float(best)));
+        return error(w, n, fp16_to_float(refit_scale)) < best_err ? refit_scale : best;
     }
 };
 
@@ -264,6 +269,17 @@ struct Quantized {  // int8 blocks of activations, for integer-format weights
     }
 };
 
+// fp32 activations in the layout of the variant's bf16 kernel.
+std::vector<float> arrange_rows(ThreadPool& pool, const KernelTable& k, const float* x, int rows, int cols) {
+    std::vector<float> out(size_t(rows) * cols);
+    const int chunk = 16;
+    pool.parallel_for((rows + chunk - 1) / chunk, [&](int task) {
+        for (int r = task * chunk; r < std::min(rows, (task + 1) * chunk); ++r)
+            k.arrange(x + size_t(r) * cols, cols, out.data() + size_t(r) * cols);
+    });
+    return out;
+}
+
 void quantize_rows(ThreadPool& pool, const KernelTable& k, const float* x, int rows, int cols, Quantized& out) {
     out.resize(rows, cols);
     const int chunk = 16;
@@ -298,7 +314,9 @@ void moe_forward(ThreadPool& pool, const KernelTable& k, const MoeCall& c) {
     const int A = int(p.experts.size()), rows = p.start[A];
 
     Quantized xq;  // [T, D]
+    std::vector<float> xf;
     if (quantized) quantize_rows(pool, k, c.x, c.tokens, D, xq);
+    else xf = arrange_rows(pool, k, c.x, c.tokens, D);
 
     // Phase 1: gate and up projections, [rows, 2I], one task per (active expert, block of w13 rows).
     std::vector<float> hu(size_t(rows) * 2 * I);
@@ -306,7 +324,7 @@ void moe_forward(ThreadPool& pool, const KernelTable& k, const MoeCall& c) {
     pool.parallel_for(A * up_blocks, [&](int task) {
         const int a = task / up_blocks, r0 = (task % up_blocks) * kRowBlock, r1 = std::min(2 * I, r0 + kRowBlock);
         const int n = p.start[a + 1] - p.start[a];
-        const Activations x = activations(c.x, quantized ? &xq : nullptr, p.tokens.data() + p.start[a], D, 0);
+        const Activations x = activations(xf.data(), quantized ? &xq : nullptr, p.tokens.data() + p.start[a], D, 0);
         k.matmul[F](L.w13(p.experts[a]), r0, r1, x, n, hu.data() + size_t(p.start[a]) * 2 * I + r0, 2 * I);
     });
 
@@ -321,6 +339,7 @@ void moe_forward(ThreadPool& pool, const KernelTable& k, const MoeCall& c) {
     });
     Quantized hq;
     if (quantized) quantize_rows(pool, k, h.data(), rows, I, hq);
+    else h = arrange_rows(pool, k, h.data(), rows, I);
 
     // Phase 3: down projections; a task owns a block of output columns for every token, so the
     // weighted sum over experts is race-free and in a fixed order whatever the thread count.

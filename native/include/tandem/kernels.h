@@ -26,11 +26,14 @@ struct Activations {
 using MatmulFn = void (*)(const Matrix& w, int r0, int r1, const Activations& x, int n, float* y, int ldy);
 // One row of C fp32 values -> int8 blocks of 32 with fp32 scales (C a multiple of 32).
 using QuantizeFn = void (*)(const float* x, int cols, int8_t* q, float* s);
+// One row of C fp32 values -> the fp32 layout this variant's bf16 matmul reads (may reorder columns).
+using ArrangeFn = void (*)(const float* x, int cols, float* out);
 
 struct KernelTable {
     const char* name;
     MatmulFn matmul[kFormats];  // indexed by Format
     QuantizeFn quantize;
+    ArrangeFn arrange;
 };
 
 const KernelTable& generic_kernels();

@@ -47,19 +47,33 @@ void quantize(const float* x, int cols, int8_t* q, float* s) {
     }
 }
 
-inline __m256 load_bf16(const uint16_t* p) {
-    __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+// bf16 rows are read 16 values (32 bytes) at a time: a shift gives the even columns as fp32 and a
+// mask the odd ones, so `arrange` stores each 16-column chunk of x as its 8 even then 8 odd values.
+constexpr int kChunk = 16;
+
+void arrange(const float* x, int cols, float* out) {
+    int c = 0;
+    for (; c + kChunk <= cols; c += kChunk)
+        for (int j = 0; j < kChunk / 2; ++j) {
+            out[c + j] = x[c + 2 * j];
+            out[c + kChunk / 2 + j] = x[c + 2 * j + 1];
+        }
+    for (; c < cols; ++c) out[c] = x[c];
 }
 
 template <int R>
 void bf16_rows(const uint16_t* w, int cols, const float* x, float* out) {
+    const __m256i high = _mm256_set1_epi32(int(0xffff0000u));
     __m256 acc[R];
     for (int k = 0; k < R; ++k) acc[k] = _mm256_setzero_ps();
     int c = 0;
-    for (; c + 8 <= cols; c += 8) {
-        __m256 xv = _mm256_loadu_ps(x + c);
-        for (int k = 0; k < R; ++k) acc[k] = _mm256_fmadd_ps(load_bf16(w + int64_t(k) * cols + c), xv, acc[k]);
+    for (; c + kChunk <= cols; c += kChunk) {
+        const __m256 even = _mm256_loadu_ps(x + c), odd = _mm256_loadu_ps(x + c + kChunk / 2);
+        for (int k = 0; k < R; ++k) {
+            const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + int64_t(k) * cols + c));
+            acc[k] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_slli_epi32(v, 16)), even, acc[k]);
+            acc[k] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_and_si256(v, high)), odd, acc[k]);
+        }
     }
     for (int k = 0; k < R; ++k) {
         float sum = hsum(acc[k]);
@@ -84,35 +98,65 @@ void matmul_bf16(const Matrix& w, int r0, int r1, const Activations& x, int n, f
 }
 
 struct Int8Block {
-    static __m256i load(const uint8_t* data, int64_t row, int cols, int b) {
-        return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(data + row * cols + b * kBlock));
+    static __m256i load(const uint8_t* row, int b) {
+        return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + b * kBlock));
     }
+    static int64_t row_bytes(int cols) { return cols; }
+    static const uint8_t* at(const uint8_t* row, int b) { return row + b * kBlock; }
 };
 
 struct Int4Block {
-    static __m256i load(const uint8_t* data, int64_t row, int cols, int b) {
-        __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(data + (row * cols + b * kBlock) / 2));
+    static __m256i load(const uint8_t* row, int b) {
+        const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * (kBlock / 2)));
         const __m128i low = _mm_set1_epi8(0x0f);
         const __m256i levels = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kInt4Levels)));
-        __m256i idx = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), low), _mm_and_si128(raw, low));
+        const __m256i idx = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), low), _mm_and_si128(raw, low));
         return _mm256_shuffle_epi8(levels, idx);
     }
+    static int64_t row_bytes(int cols) { return cols / 2; }
+    static const uint8_t* at(const uint8_t* row, int b) { return row + b * (kBlock / 2); }
 };
+
+constexpr int kSpan = 64;
+constexpr int kPrefetch = 1024;  // bytes ahead on each weight row: keeps enough loads in flight  // blocks whose combined scales are prepared at once (2048 columns)
+
+// scale[k][j] = x scale of block b0 + j times the weight scale of its group in row r + k.
+template <int R>
+void combined_scales(const Matrix& w, int r, int b0, int nb, const float* xs, float (*scale)[kSpan]) {
+    const int per_group = w.group / kBlock, groups = w.cols / w.group;
+    for (int k = 0; k < R; ++k) {
+        const uint16_t* ws = w.scales + int64_t(r + k) * groups;
+        int j = 0;
+        if (per_group == 1)
+            for (; j + 8 <= nb; j += 8) {
+                const __m256 wv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ws + b0 + j)));
+                _mm256_storeu_ps(scale[k] + j, _mm256_mul_ps(wv, _mm256_loadu_ps(xs + b0 + j)));
+            }
+        for (; j < nb; ++j) scale[k][j] = xs[b0 + j] * _cvtsh_ss(ws[(b0 + j) / per_group]);
+    }
+}
 
 template <typename Block, int R>
 void int_rows(const Matrix& w, int r, const int8_t* xq, const float* xs, float* out) {
-    const int blocks = w.cols / kBlock, per_group = w.group / kBlock, groups = w.cols / w.group;
+    const int blocks = w.cols / kBlock;
     const __m256i ones = _mm256_set1_epi16(1);
+    const uint8_t* row[R];
+    for (int k = 0; k < R; ++k) row[k] = w.data + int64_t(r + k) * Block::row_bytes(w.cols);
     __m256 acc[R];
     for (int k = 0; k < R; ++k) acc[k] = _mm256_setzero_ps();
-    for (int b = 0; b < blocks; ++b) {
-        __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + b * kBlock));
-        __m256i ax = _mm256_sign_epi8(xv, xv);
-        for (int k = 0; k < R; ++k) {
-            __m256i sw = _mm256_sign_epi8(Block::load(w.data, r + k, w.cols, b), xv);
-            __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(ax, sw), ones);
-            float scale = xs[b] * _cvtsh_ss(w.scales[int64_t(r + k) * groups + b / per_group]);
-            acc[k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(scale), acc[k]);
+    alignas(32) float scale[R][kSpan];
+    for (int b0 = 0; b0 < blocks; b0 += kSpan) {
+        const int nb = std::min(kSpan, blocks - b0);
+        combined_scales<R>(w, r, b0, nb, xs, scale);
+        for (int j = 0; j < nb; ++j) {
+            const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + (b0 + j) * kBlock));
+            const __m256i ax = _mm256_sign_epi8(xv, xv);
+            for (int k = 0; k < R; ++k) {
+                _mm_prefetch(reinterpret_cast<const char*>(Block::at(row[k], b0 + j)) + kPrefetch, _MM_HINT_T0);
+                const __m256i sw = _mm256_sign_epi8(Block::load(row[k], b0 + j), xv);
+                const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(ax, sw), ones);
+                acc[k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_broadcast_ss(&scale[k][j]), acc[k]);
+            }
         }
     }
     for (int k = 0; k < R; ++k) out[k] = hsum(acc[k]);
@@ -138,7 +182,7 @@ void matmul_int(const Matrix& w, int r0, int r1, const Activations& x, int n, fl
 
 const KernelTable& avx2_kernels() {
     static const KernelTable table{
-        "avx2", {matmul_bf16, matmul_int<Int8Block>, matmul_int<Int4Block>}, quantize};
+        "avx2", {matmul_bf16, matmul_int<Int8Block>, matmul_int<Int4Block>}, quantize, arrange};
     return table;
 }
 

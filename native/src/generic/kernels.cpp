@@ -71,10 +71,12 @@ void matmul_int4(const Matrix& w, int r0, int r1, const Activations& x, int n, f
     });
 }
 
+void arrange(const float* x, int cols, float* out) { std::copy(x, x + cols, out); }
+
 }  // namespace
 
 const KernelTable& generic_kernels() {
-    static const KernelTable table{"generic", {matmul_bf16, matmul_int8, matmul_int4}, quantize};
+    static const KernelTable table{"generic", {matmul_bf16, matmul_int8, matmul_int4}, quantize, arrange};
     return table;
 }
 

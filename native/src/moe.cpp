@@ -44,8 +44,9 @@ MoeLayerView MoeLayerView::parse(const uint8_t* data, size_t size) {
     if (h.format >= uint32_t(kFormats)) throw std::invalid_argument("buffer: unknown format");
     const bool quantized = h.format != uint32_t(Format::BF16);
     if (!h.num_experts || !h.hidden || !h.intermediate || h.num_experts > (1u << 20) || h.hidden > (1u << 20) ||
-        h.intermediate > (1u << 20) || (quantized && (!h.group_size || h.group_size % kBlock ||
-                                                      h.hidden % h.group_size || h.intermediate % h.group_size)))
+        h.intermediate > (1u << 20) || h.hidden % kBlock || h.intermediate % kBlock ||
+        (quantized && (!h.group_size || h.group_size % kBlock || h.hidden % h.group_size ||
+                       h.intermediate % h.group_size)))
         throw std::invalid_argument("buffer: inconsistent header (" + dims(h) + ")");
     MoeLayerView v;
     v.base = data;
@@ -137,14 +138,16 @@ struct GroupQuantizer {
     }
 };
 
-// Quantizes one row of C values; returns false on a non-finite value or scale.
-bool pack_row(const float* w, Format f, int cols, int group, uint8_t* values, uint16_t* scales) {
+// Quantizes row r of matrix m from its C float values; returns false on a non-finite value or scale.
+bool pack_row(const float* w, const Matrix& m, int r, uint16_t* scales) {
+    const Format f = m.format;
+    const int cols = m.cols, group = m.group, width = block_cols(f);
+    auto block = [&](int c) { return const_cast<uint8_t*>(block_at(m, r, c / width)); };
     if (f == Format::BF16) {
-        auto* out = reinterpret_cast<uint16_t*>(values);
         bool ok = true;
         for (int c = 0; c < cols; ++c) {
             ok &= std::isfinite(w[c]);
-            out[c] = float_to_bf16(w[c]);
+            reinterpret_cast<uint16_t*>(block(c))[c % width] = float_to_bf16(w[c]);
         }
         return ok;
     }
@@ -163,18 +166,14 @@ bool pack_row(const float* w, Format f, int cols, int group, uint8_t* values, ui
         for (int j = 0; j < group; ++j) {
             const int q = quant.code(wg[j] * inv), c = g * group + j;
             if (f == Format::INT8) {
-                values[c] = uint8_t(int8_t(q));
+                block(c)[c % kBlock] = uint8_t(int8_t(q));
             } else {  // nibble layout of format.h: column j and j + 16 of each 32-column block share a byte
-                uint8_t& byte = values[(c / kBlock) * (kBlock / 2) + (c % (kBlock / 2))];
+                uint8_t& byte = block(c)[c % (kBlock / 2)];
                 byte = (c % kBlock) < kBlock / 2 ? uint8_t((byte & 0xf0) | q) : uint8_t((byte & 0x0f) | (q << 4));
             }
         }
     }
     return true;
-}
-
-size_t row_value_bytes(Format f, int cols) {
-    return f == Format::BF16 ? size_t(cols) * 2 : f == Format::INT8 ? size_t(cols) : size_t(cols) / 2;
 }
 
 }  // namespace
@@ -211,9 +210,8 @@ void pack_layer(ThreadPool& pool, const float* w13, const float* w2, Format f, i
                 const int row = first ? r : r - 2 * intermediate;
                 const float* src = first ? w13 + (size_t(e) * 2 * intermediate + row) * hidden
                                          : w2 + (size_t(e) * hidden + row) * intermediate;
-                uint8_t* values = const_cast<uint8_t*>(m.data) + row * row_value_bytes(f, m.cols);
                 uint16_t* scales = m.scales ? const_cast<uint16_t*>(m.scales) + size_t(row) * (m.cols / group) : nullptr;
-                if (!pack_row(src, f, m.cols, group, values, scales)) bad = first ? 0 : 1;
+                if (!pack_row(src, m, row, scales)) bad = first ? 0 : 1;
             }
         });
     })->wait();

@@ -11,7 +11,9 @@ from dataclasses import dataclass
 
 from services.common.errors import TandemError
 from services.dense.generate import stream
-from services.dense.loader import load_model
+from services.common.expert_weights import FORMATS, default_threads
+from services.dense.loader import load_model, open_checkpoint
+from services.dense.moe.experts import ExpertBackend
 from services.dense.runtime import DenseRuntime
 from services.dense.sampling import SamplingParams
 from services.dense.tokenizer import Tokenizer
@@ -23,6 +25,9 @@ class CliConfig:
     prompt: str
     runtime: DenseRuntime
     sampling: SamplingParams
+    experts: str  # "reference" (torch, float weights) or "native" (tandem_native kernels)
+    expert_format: str
+    threads: int
 
 
 def parse_args(argv: list[str] | None = None) -> CliConfig:
@@ -36,19 +41,34 @@ def parse_args(argv: list[str] | None = None) -> CliConfig:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda[:N]")
+    p.add_argument("--experts", choices=["reference", "native"], default="native")
+    p.add_argument("--format", choices=list(FORMATS), default="bf16", help="routed-expert format (native)")
+    p.add_argument("--threads", type=int, default=default_threads(), help="native kernel threads")
     a = p.parse_args(argv)
+    if a.threads < 1:
+        p.error(f"--threads must be >= 1, got {a.threads}")
     try:
         sampling = SamplingParams(a.temperature, a.top_p, a.top_k, a.seed, a.max_tokens)
-        return CliConfig(a.model, a.prompt, DenseRuntime(a.dtype, a.device), sampling)
+        runtime = DenseRuntime(a.dtype, a.device)
+        return CliConfig(a.model, a.prompt, runtime, sampling, a.experts, a.format, a.threads)
     except TandemError as exc:
         p.error(str(exc))
+
+
+def _experts(cfg: CliConfig) -> ExpertBackend | None:
+    if cfg.experts == "reference":
+        return None
+    from services.dense.moe.native import NativeExperts
+
+    checkpoint, model_cfg = open_checkpoint(cfg.model)
+    return NativeExperts(model_cfg, checkpoint, cfg.expert_format, cfg.threads)
 
 
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_args(argv)
     print(f"# {cfg}", file=sys.stderr)
     try:
-        model, _ = load_model(cfg.model, cfg.runtime)
+        model, _ = load_model(cfg.model, cfg.runtime, _experts(cfg))
         tokenizer = Tokenizer(cfg.model)
         tokens: list[int] = []
         shown = ""

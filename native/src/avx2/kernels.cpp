@@ -10,7 +10,7 @@
 namespace tandem {
 namespace {
 
-constexpr int kRows = 4;  // weight rows computed together, sharing each activation load
+constexpr int kPrefetch = 2048;  // bytes ahead in the weight stream
 
 inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -61,70 +61,57 @@ void arrange(const float* x, int cols, float* out) {
     for (; c < cols; ++c) out[c] = x[c];
 }
 
-template <int R>
-void bf16_rows(const uint16_t* w, int cols, const float* x, float* out) {
+// One 4-row tile of bf16 weights against one token: y[k] = dot(row r + k, x).
+void bf16_tile(const uint16_t* tile, int cols, const float* x, float* y) {
     const __m256i high = _mm256_set1_epi32(int(0xffff0000u));
-    __m256 acc[R];
-    for (int k = 0; k < R; ++k) acc[k] = _mm256_setzero_ps();
-    int c = 0;
-    for (; c + kChunk <= cols; c += kChunk) {
+    __m256 even_acc[kTileRows], odd_acc[kTileRows];
+    for (int k = 0; k < kTileRows; ++k) even_acc[k] = odd_acc[k] = _mm256_setzero_ps();
+    for (int c = 0; c < cols; c += kChunk, tile += kTileRows * kChunk) {
+        _mm_prefetch(reinterpret_cast<const char*>(tile) + kPrefetch, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(tile) + kPrefetch + 64, _MM_HINT_T0);
         const __m256 even = _mm256_loadu_ps(x + c), odd = _mm256_loadu_ps(x + c + kChunk / 2);
-        for (int k = 0; k < R; ++k) {
-            const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + int64_t(k) * cols + c));
-            acc[k] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_slli_epi32(v, 16)), even, acc[k]);
-            acc[k] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_and_si256(v, high)), odd, acc[k]);
+        for (int k = 0; k < kTileRows; ++k) {
+            const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + k * kChunk));
+            even_acc[k] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_slli_epi32(v, 16)), even, even_acc[k]);
+            odd_acc[k] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_and_si256(v, high)), odd, odd_acc[k]);
         }
     }
-    for (int k = 0; k < R; ++k) {
-        float sum = hsum(acc[k]);
-        for (int j = c; j < cols; ++j) sum += bf16_to_float(w[int64_t(k) * cols + j]) * x[j];
-        out[k] = sum;
-    }
+    for (int k = 0; k < kTileRows; ++k) y[k] = hsum(_mm256_add_ps(even_acc[k], odd_acc[k]));
 }
 
 void matmul_bf16(const Matrix& w, int r0, int r1, const Activations& x, int n, float* y, int ldy) {
-    const uint16_t* values = reinterpret_cast<const uint16_t*>(w.data);
-    float out[kRows];
-    for (int r = r0; r < r1; r += kRows) {
-        const int rows = std::min(kRows, r1 - r);
+    float out[kTileRows];
+    for (int r = r0; r < r1; r += kTileRows) {
+        const uint16_t* tile = reinterpret_cast<const uint16_t*>(block_at(w, r, 0));
         for (int i = 0; i < n; ++i) {
-            const float* xi = x.f + x.row(i) * x.cols;
-            const uint16_t* wr = values + int64_t(r) * w.cols;
-            if (rows == kRows) bf16_rows<kRows>(wr, w.cols, xi, out);
-            else for (int k = 0; k < rows; ++k) bf16_rows<1>(wr + int64_t(k) * w.cols, w.cols, xi, out + k);
-            for (int k = 0; k < rows; ++k) y[int64_t(i) * ldy + (r - r0) + k] = out[k];
+            bf16_tile(tile, w.cols, x.f + x.row(i) * x.cols, out);
+            for (int k = 0; k < kTileRows; ++k) y[int64_t(i) * ldy + (r - r0) + k] = out[k];
         }
     }
 }
 
 struct Int8Block {
-    static __m256i load(const uint8_t* row, int b) {
-        return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + b * kBlock));
-    }
-    static int64_t row_bytes(int cols) { return cols; }
-    static const uint8_t* at(const uint8_t* row, int b) { return row + b * kBlock; }
+    static constexpr int kBytes = kBlock;
+    static __m256i load(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 };
 
 struct Int4Block {
-    static __m256i load(const uint8_t* row, int b) {
-        const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * (kBlock / 2)));
+    static constexpr int kBytes = kBlock / 2;
+    static __m256i load(const uint8_t* p) {
+        const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
         const __m128i low = _mm_set1_epi8(0x0f);
         const __m256i levels = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kInt4Levels)));
         const __m256i idx = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), low), _mm_and_si128(raw, low));
         return _mm256_shuffle_epi8(levels, idx);
     }
-    static int64_t row_bytes(int cols) { return cols / 2; }
-    static const uint8_t* at(const uint8_t* row, int b) { return row + b * (kBlock / 2); }
 };
 
-constexpr int kSpan = 64;
-constexpr int kPrefetch = 1024;  // bytes ahead on each weight row: keeps enough loads in flight  // blocks whose combined scales are prepared at once (2048 columns)
+constexpr int kSpan = 64;  // blocks whose combined scales are prepared at once (2048 columns)
 
 // scale[k][j] = x scale of block b0 + j times the weight scale of its group in row r + k.
-template <int R>
 void combined_scales(const Matrix& w, int r, int b0, int nb, const float* xs, float (*scale)[kSpan]) {
     const int per_group = w.group / kBlock, groups = w.cols / w.group;
-    for (int k = 0; k < R; ++k) {
+    for (int k = 0; k < kTileRows; ++k) {
         const uint16_t* ws = w.scales + int64_t(r + k) * groups;
         int j = 0;
         if (per_group == 1)
@@ -136,46 +123,42 @@ void combined_scales(const Matrix& w, int r, int b0, int nb, const float* xs, fl
     }
 }
 
-template <typename Block, int R>
-void int_rows(const Matrix& w, int r, const int8_t* xq, const float* xs, float* out) {
+// One 4-row tile of int8/int4 weights against one quantized token: y[k] = dot(row r + k, x).
+template <typename Block>
+void int_tile(const Matrix& w, int r, const int8_t* xq, const float* xs, float* y) {
     const int blocks = w.cols / kBlock;
     const __m256i ones = _mm256_set1_epi16(1);
-    const uint8_t* row[R];
-    for (int k = 0; k < R; ++k) row[k] = w.data + int64_t(r + k) * Block::row_bytes(w.cols);
-    __m256 acc[R];
-    for (int k = 0; k < R; ++k) acc[k] = _mm256_setzero_ps();
-    alignas(32) float scale[R][kSpan];
+    const uint8_t* tile = block_at(w, r, 0);
+    __m256 acc[kTileRows];
+    for (int k = 0; k < kTileRows; ++k) acc[k] = _mm256_setzero_ps();
+    alignas(32) float scale[kTileRows][kSpan];
     for (int b0 = 0; b0 < blocks; b0 += kSpan) {
         const int nb = std::min(kSpan, blocks - b0);
-        combined_scales<R>(w, r, b0, nb, xs, scale);
-        for (int j = 0; j < nb; ++j) {
+        combined_scales(w, r, b0, nb, xs, scale);
+        for (int j = 0; j < nb; ++j, tile += kTileRows * Block::kBytes) {
+            for (int line = 0; line < kTileRows * Block::kBytes; line += 64)
+                _mm_prefetch(reinterpret_cast<const char*>(tile) + kPrefetch + line, _MM_HINT_T0);
             const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + (b0 + j) * kBlock));
             const __m256i ax = _mm256_sign_epi8(xv, xv);
-            for (int k = 0; k < R; ++k) {
-                _mm_prefetch(reinterpret_cast<const char*>(Block::at(row[k], b0 + j)) + kPrefetch, _MM_HINT_T0);
-                const __m256i sw = _mm256_sign_epi8(Block::load(row[k], b0 + j), xv);
+            for (int k = 0; k < kTileRows; ++k) {
+                const __m256i sw = _mm256_sign_epi8(Block::load(tile + k * Block::kBytes), xv);
                 const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(ax, sw), ones);
                 acc[k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_broadcast_ss(&scale[k][j]), acc[k]);
             }
         }
     }
-    for (int k = 0; k < R; ++k) out[k] = hsum(acc[k]);
+    for (int k = 0; k < kTileRows; ++k) y[k] = hsum(acc[k]);
 }
 
 template <typename Block>
 void matmul_int(const Matrix& w, int r0, int r1, const Activations& x, int n, float* y, int ldy) {
     const int blocks = x.cols / kBlock;
-    float out[kRows];
-    for (int r = r0; r < r1; r += kRows) {
-        const int rows = std::min(kRows, r1 - r);
+    float out[kTileRows];
+    for (int r = r0; r < r1; r += kTileRows)
         for (int i = 0; i < n; ++i) {
-            const int8_t* xq = x.q + x.row(i) * x.cols;
-            const float* xs = x.s + x.row(i) * blocks;
-            if (rows == kRows) int_rows<Block, kRows>(w, r, xq, xs, out);
-            else for (int k = 0; k < rows; ++k) int_rows<Block, 1>(w, r + k, xq, xs, out + k);
-            for (int k = 0; k < rows; ++k) y[int64_t(i) * ldy + (r - r0) + k] = out[k];
+            int_tile<Block>(w, r, x.q + x.row(i) * x.cols, x.s + x.row(i) * blocks, out);
+            for (int k = 0; k < kTileRows; ++k) y[int64_t(i) * ldy + (r - r0) + k] = out[k];
         }
-    }
 }
 
 }  // namespace

@@ -19,13 +19,15 @@ void quantize(const float* x, int cols, int8_t* q, float* s) {
 }
 
 void matmul_bf16(const Matrix& w, int r0, int r1, const Activations& x, int n, float* y, int ldy) {
-    const uint16_t* values = reinterpret_cast<const uint16_t*>(w.data);
+    const int width = block_cols(Format::BF16);
     for (int r = r0; r < r1; ++r) {
-        const uint16_t* row = values + int64_t(r) * w.cols;
         for (int i = 0; i < n; ++i) {
             const float* xi = x.f + x.row(i) * x.cols;
             float acc = 0.f;
-            for (int c = 0; c < w.cols; ++c) acc += bf16_to_float(row[c]) * xi[c];
+            for (int b = 0; b < w.cols / width; ++b) {
+                const uint16_t* block = reinterpret_cast<const uint16_t*>(block_at(w, r, b));
+                for (int j = 0; j < width; ++j) acc += bf16_to_float(block[j]) * xi[b * width + j];
+            }
             y[int64_t(i) * ldy + (r - r0)] = acc;
         }
     }
@@ -54,16 +56,15 @@ void matmul_int(const Matrix& w, int r0, int r1, const Activations& x, int n, fl
 }
 
 void matmul_int8(const Matrix& w, int r0, int r1, const Activations& x, int n, float* y, int ldy) {
-    const int8_t* values = reinterpret_cast<const int8_t*>(w.data);
     matmul_int(w, r0, r1, x, n, y, ldy, [&](int r, int b, int8_t* out) {
-        const int8_t* src = values + int64_t(r) * w.cols + b * kBlock;
+        const int8_t* src = reinterpret_cast<const int8_t*>(block_at(w, r, b));
         std::copy(src, src + kBlock, out);
     });
 }
 
 void matmul_int4(const Matrix& w, int r0, int r1, const Activations& x, int n, float* y, int ldy) {
     matmul_int(w, r0, r1, x, n, y, ldy, [&](int r, int b, int8_t* out) {
-        const uint8_t* src = w.data + (int64_t(r) * w.cols + b * kBlock) / 2;
+        const uint8_t* src = block_at(w, r, b);
         for (int j = 0; j < kBlock / 2; ++j) {
             out[j] = kInt4Levels[src[j] & 0x0f];
             out[j + kBlock / 2] = kInt4Levels[src[j] >> 4];

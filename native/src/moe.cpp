@@ -224,8 +224,6 @@ void pack_layer(ThreadPool& pool, const float* w13, const float* w2, Format f, i
 
 namespace {
 
-float silu(float v) { return v / (1.f + std::exp(-v)); }
-
 struct Plan {  // tokens grouped by expert; a = index of an active expert
     std::vector<int> experts;       // [A] expert id
     std::vector<int> start;         // [A + 1] offsets into tokens / weights
@@ -330,10 +328,8 @@ void moe_forward(ThreadPool& pool, const KernelTable& k, const MoeCall& c) {
     std::vector<float> h(size_t(rows) * I);
     const int chunk = 8;
     pool.parallel_for((rows + chunk - 1) / chunk, [&](int task) {
-        for (int r = task * chunk; r < std::min(rows, (task + 1) * chunk); ++r) {
-            const float* g = hu.data() + size_t(r) * 2 * I;
-            for (int j = 0; j < I; ++j) h[size_t(r) * I + j] = silu(g[j]) * g[I + j];
-        }
+        for (int r = task * chunk; r < std::min(rows, (task + 1) * chunk); ++r)
+            k.silu_mul(hu.data() + size_t(r) * 2 * I, I, h.data() + size_t(r) * I);
     });
     Quantized hq;
     if (quantized) quantize_rows(pool, k, h.data(), rows, I, hq);

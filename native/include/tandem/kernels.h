@@ -29,11 +29,15 @@ using QuantizeFn = void (*)(const float* x, int cols, int8_t* q, float* s);
 // One row of C fp32 values -> the fp32 layout this variant's bf16 matmul reads (may reorder columns).
 using ArrangeFn = void (*)(const float* x, int cols, float* out);
 
+// h[j] = silu(gate_up[j]) * gate_up[I + j] for j < I: one token's [2I] gate/up row -> [I].
+using SiluMulFn = void (*)(const float* gate_up, int intermediate, float* h);
+
 struct KernelTable {
     const char* name;
     MatmulFn matmul[kFormats];  // indexed by Format
     QuantizeFn quantize;
     ArrangeFn arrange;
+    SiluMulFn silu_mul;
 };
 
 const KernelTable& generic_kernels();

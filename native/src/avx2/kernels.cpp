@@ -123,49 +123,93 @@ void combined_scales(const Matrix& w, int r, int b0, int nb, const float* xs, fl
     }
 }
 
-// One 4-row tile of int8/int4 weights against one quantized token: y[k] = dot(row r + k, x).
-template <typename Block>
-void int_tile(const Matrix& w, int r, const int8_t* xq, const float* xs, float* y) {
+// One 4-row tile of int8/int4 weights against N quantized tokens (N = 1 or 2; two tokens share
+// each weight load, for prefill): y[i * ldy + k] = dot(row r + k, token i).
+template <typename Block, int N>
+void int_tile(const Matrix& w, int r, const int8_t* const* xq, const float* const* xs, float* y, int ldy) {
     const int blocks = w.cols / kBlock;
     const __m256i ones = _mm256_set1_epi16(1);
     const uint8_t* tile = block_at(w, r, 0);
-    __m256 acc[kTileRows];
-    for (int k = 0; k < kTileRows; ++k) acc[k] = _mm256_setzero_ps();
-    alignas(32) float scale[kTileRows][kSpan];
+    __m256 acc[N][kTileRows];
+    for (int i = 0; i < N; ++i)
+        for (int k = 0; k < kTileRows; ++k) acc[i][k] = _mm256_setzero_ps();
+    alignas(32) float scale[N][kTileRows][kSpan];
     for (int b0 = 0; b0 < blocks; b0 += kSpan) {
         const int nb = std::min(kSpan, blocks - b0);
-        combined_scales(w, r, b0, nb, xs, scale);
+        for (int i = 0; i < N; ++i) combined_scales(w, r, b0, nb, xs[i], scale[i]);
         for (int j = 0; j < nb; ++j, tile += kTileRows * Block::kBytes) {
             for (int line = 0; line < kTileRows * Block::kBytes; line += 64)
                 _mm_prefetch(reinterpret_cast<const char*>(tile) + kPrefetch + line, _MM_HINT_T0);
-            const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + (b0 + j) * kBlock));
-            const __m256i ax = _mm256_sign_epi8(xv, xv);
+            __m256i xv[N], ax[N];
+            for (int i = 0; i < N; ++i) {
+                xv[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[i] + (b0 + j) * kBlock));
+                ax[i] = _mm256_sign_epi8(xv[i], xv[i]);
+            }
             for (int k = 0; k < kTileRows; ++k) {
-                const __m256i sw = _mm256_sign_epi8(Block::load(tile + k * Block::kBytes), xv);
-                const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(ax, sw), ones);
-                acc[k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_broadcast_ss(&scale[k][j]), acc[k]);
+                const __m256i wv = Block::load(tile + k * Block::kBytes);
+                for (int i = 0; i < N; ++i) {
+                    const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(ax[i], _mm256_sign_epi8(wv, xv[i])), ones);
+                    acc[i][k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_broadcast_ss(&scale[i][k][j]), acc[i][k]);
+                }
             }
         }
     }
-    for (int k = 0; k < kTileRows; ++k) y[k] = hsum(acc[k]);
+    for (int i = 0; i < N; ++i)
+        for (int k = 0; k < kTileRows; ++k) y[int64_t(i) * ldy + k] = hsum(acc[i][k]);
 }
 
 template <typename Block>
 void matmul_int(const Matrix& w, int r0, int r1, const Activations& x, int n, float* y, int ldy) {
     const int blocks = x.cols / kBlock;
-    float out[kTileRows];
-    for (int r = r0; r < r1; r += kTileRows)
-        for (int i = 0; i < n; ++i) {
-            int_tile<Block>(w, r, x.q + x.row(i) * x.cols, x.s + x.row(i) * blocks, out);
-            for (int k = 0; k < kTileRows; ++k) y[int64_t(i) * ldy + (r - r0) + k] = out[k];
+    auto q = [&](int i) { return x.q + x.row(i) * x.cols; };
+    auto s = [&](int i) { return x.s + x.row(i) * blocks; };
+    for (int r = r0; r < r1; r += kTileRows) {
+        int i = 0;
+        for (; i + 2 <= n; i += 2) {
+            const int8_t* xq[2] = {q(i), q(i + 1)};
+            const float* xs[2] = {s(i), s(i + 1)};
+            int_tile<Block, 2>(w, r, xq, xs, y + int64_t(i) * ldy + (r - r0), ldy);
         }
+        if (i < n) {
+            const int8_t* xq[1] = {q(i)};
+            const float* xs[1] = {s(i)};
+            int_tile<Block, 1>(w, r, xq, xs, y + int64_t(i) * ldy + (r - r0), ldy);
+        }
+    }
+}
+
+// exp(x) for x in [-87, 88]: 2^n * p(r) with x = n ln2 + r, |r| <= ln2 / 2 (Cephes' polynomial,
+// about 1 ulp); inputs outside are clamped, which silu tolerates (the result saturates).
+inline __m256 exp_ps(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.f)), _mm256_set1_ps(88.f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    for (float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
+        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+    p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+    const __m256i pow2 = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(pow2));
+}
+
+void silu_mul(const float* gate_up, int intermediate, float* h) {
+    const float* up = gate_up + intermediate;
+    int j = 0;
+    for (; j + 8 <= intermediate; j += 8) {
+        const __m256 g = _mm256_loadu_ps(gate_up + j);
+        const __m256 s = _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.f), exp_ps(_mm256_sub_ps(_mm256_setzero_ps(), g))));
+        _mm256_storeu_ps(h + j, _mm256_mul_ps(s, _mm256_loadu_ps(up + j)));
+    }
+    for (; j < intermediate; ++j) h[j] = gate_up[j] / (1.f + std::exp(-gate_up[j])) * up[j];
 }
 
 }  // namespace
 
 const KernelTable& avx2_kernels() {
     static const KernelTable table{
-        "avx2", {matmul_bf16, matmul_int<Int8Block>, matmul_int<Int4Block>}, quantize, arrange};
+        "avx2", {matmul_bf16, matmul_int<Int8Block>, matmul_int<Int4Block>}, quantize, arrange, silu_mul};
     return table;
 }
 

@@ -74,10 +74,17 @@ void matmul_int4(const Matrix& w, int r0, int r1, const Activations& x, int n, f
 
 void arrange(const float* x, int cols, float* out) { std::copy(x, x + cols, out); }
 
+void silu_mul(const float* gate_up, int intermediate, float* h) {
+    for (int j = 0; j < intermediate; ++j) {
+        const float g = gate_up[j];
+        h[j] = g / (1.f + std::exp(-g)) * gate_up[intermediate + j];
+    }
+}
+
 }  // namespace
 
 const KernelTable& generic_kernels() {
-    static const KernelTable table{"generic", {matmul_bf16, matmul_int8, matmul_int4}, quantize, arrange};
+    static const KernelTable table{"generic", {matmul_bf16, matmul_int8, matmul_int4}, quantize, arrange, silu_mul};
     return table;
 }
 

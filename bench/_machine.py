@@ -1,0 +1,98 @@
+"""The machine's own limits and state, measured in the same run as the kernels: streaming read
+bandwidth, fp32 matmul peak, and how much of the CPUs other processes took meanwhile."""
+
+from __future__ import annotations
+
+import os
+import platform
+import resource
+import statistics
+import time
+
+import torch
+
+READ_FLOATS = 400 * 2**20  # 1.68 GB of float32, far beyond any cache
+PEAK_N = 2048
+ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_tile")
+
+
+def median_seconds(fn, reps: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def read_bandwidth(reps: int) -> float:
+    """GB/s of a streaming read: torch.sum over 1.68 GB of float32 on all threads."""
+    a = torch.ones(READ_FLOATS)  # written once here, so every page is mapped before timing
+    return a.nbytes / median_seconds(a.sum, reps) / 1e9
+
+
+def matmul_peak(reps: int) -> float:
+    """GFLOP/s of a 2048^3 float32 matmul (MKL through PyTorch) on all threads."""
+    a, b = torch.randn(PEAK_N, PEAK_N), torch.randn(PEAK_N, PEAK_N)
+    return 2 * PEAK_N**3 / median_seconds(lambda: a @ b, reps) / 1e9
+
+
+def machine_limits(reps: int) -> dict:
+    return {"read_gbps": read_bandwidth(reps), "peak_gflops": matmul_peak(2 * reps)}
+
+
+def combined_limits(start: dict, end: dict) -> dict:
+    """Both measurements, and the better of the two as the yardstick: on a shared VM the limits move
+    by 10-50% within minutes, so the fractions against them are lower bounds."""
+    return {
+        "read_gbps": max(start["read_gbps"], end["read_gbps"]),
+        "peak_gflops": max(start["peak_gflops"], end["peak_gflops"]),
+        "start": start,
+        "end": end,
+    }
+
+
+def busy_cpu_seconds() -> float:
+    """CPU-seconds every process (and, as steal, other VMs) has used since boot, from /proc/stat."""
+    with open("/proc/stat") as f:
+        user, nice, system, idle, iowait, irq, softirq, steal = (int(v) for v in f.readline().split()[1:9])
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def own_cpu_seconds() -> float:
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+class ForeignLoad:
+    """The share of the machine's CPUs that other processes used while the bench ran: on a 2-core
+    box any of it slows the rows down, so a run with more than a few percent is worth repeating."""
+
+    def __init__(self):
+        self.t0, self.busy0, self.own0 = time.perf_counter(), busy_cpu_seconds(), own_cpu_seconds()
+
+    def share(self) -> float:
+        wall = (time.perf_counter() - self.t0) * os.cpu_count()
+        return max(0.0, (busy_cpu_seconds() - self.busy0) - (own_cpu_seconds() - self.own0)) / wall
+
+
+def cpuinfo_field(name: str) -> str:
+    with open("/proc/cpuinfo") as f:
+        return next((line.split(":", 1)[1].strip() for line in f if line.startswith(name)), "?")
+
+
+def machine_info(threads: int) -> dict:
+    with open("/proc/meminfo") as f:
+        mem_kb = int(f.readline().split()[1])
+    flags = cpuinfo_field("flags").split()
+    return {
+        "cpu": cpuinfo_field("model name"),
+        "isa": [f for f in ISA_FLAGS if f in flags],
+        "logical_cpus": os.cpu_count(),
+        "memory_gib": round(mem_kb / 2**20, 1),
+        "threads": threads,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }

@@ -1,0 +1,313 @@
+"""How fast are routed-expert kernels on this CPU, against its own limits and against other
+implementations? One MoE layer, Qwen3-30B-A3B and DeepSeek-V3 shaped: decode (1 token, fresh
+experts every call) judged by weight bytes read per second against the machine's read bandwidth,
+and prefill (512 tokens) judged by GFLOP/s against its fp32 matmul peak, all measured in one run.
+
+Rows: PyTorch (a naive per-expert float32 loop and a grouped implementation), kt-kernel 0.7.2 (in
+its own venv, bench/.venv-kt, made by bench/setup_ktkernel.sh; run in a subprocess) and ours
+(tandem_native). Prints one table and writes JSON.
+
+    python -m bench.kernels [--quick] [--threads 2] [--out bench/results/kernels.json] [--setup-kt]
+
+Legend: T tokens, K experts per token, E experts in a layer, D hidden size, I expert intermediate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from bench import _machine, _moe_cases as mc
+
+BENCH = Path(__file__).resolve().parent
+REPO = BENCH.parent
+KT_PYTHON = BENCH / ".venv-kt" / "bin" / "python"
+KT_FORMATS = ("BF16", "Q8_0", "Q4_0", "RAWINT4")
+KT_TIMEOUT_S = 900
+OUR_FORMATS = ("bf16", "int8", "int4")
+GROUP_SIZE = 32
+IMPLS = ("torch", "tandem", "kt")
+
+
+START = time.perf_counter()
+
+
+def progress(what: str) -> None:
+    print(f"[{time.perf_counter() - START:4.0f} s] {what}", file=sys.stderr, flush=True)
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    threads: int
+    quick: bool
+    out: Path
+    impls: tuple[str, ...]
+    setup_kt: bool
+    timing: mc.Timing
+    limit_reps: int
+
+
+def parse_args(argv=None) -> BenchConfig:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--threads", type=int, default=2, help="threads for every implementation (default 2)")
+    p.add_argument("--quick", action="store_true", help="fewer calls per measurement")
+    p.add_argument("--out", type=Path, default=BENCH / "results" / "kernels.json", help="where the JSON goes")
+    p.add_argument("--impls", default=",".join(IMPLS), help="comma-separated subset of torch,tandem,kt")
+    p.add_argument("--setup-kt", action="store_true", help="make bench/.venv-kt first if it is missing")
+    a = p.parse_args(argv)
+    impls = tuple(i for i in a.impls.split(",") if i)
+    if a.threads < 1 or not set(impls) <= set(IMPLS):
+        p.error(f"--threads must be >= 1 and --impls a subset of {','.join(IMPLS)}")
+    quick = mc.Timing(decode_calls=12, prefill_calls=2, warmup=2, budget_s=4.0)
+    full = mc.Timing(decode_calls=48, prefill_calls=5, warmup=3, budget_s=12.0)
+    return BenchConfig(a.threads, a.quick, a.out, impls, a.setup_kt, quick if a.quick else full, 3 if a.quick else 7)
+
+
+# ------------------------------------------------------------------ PyTorch baselines
+
+
+def naive_moe(x, ids, weights, w13, w2) -> torch.Tensor:
+    """What a first port writes (the Hugging Face loop): per active expert, float32 F.linear for
+    gate, up and down on that expert's tokens, then index_add. x [T, D], ids/weights [T, K]."""
+    I = w2.shape[2]
+    out = torch.zeros_like(x)
+    for e in ids.unique().tolist():
+        tok, slot = torch.where(ids == e)
+        xe = x[tok]  # [n, D]
+        h = F.silu(F.linear(xe, w13[e, :I])) * F.linear(xe, w13[e, I:])  # [n, I]
+        out.index_add_(0, tok, F.linear(h, w2[e]) * weights[tok, slot, None])
+    return out
+
+
+def torch_impl(fn, w13: torch.Tensor, w2: torch.Tensor) -> mc.Impl:
+    return mc.Impl(
+        prepare=lambda x, ids, w: (x, ids, w),
+        forward=lambda chunk, a: fn(*a, w13, w2),
+        per_chunk=w13.shape[0],
+        chunks=1,
+        bytes_per_expert=w13[0].nbytes + w2[0].nbytes,
+    )
+
+
+def measure(wl: mc.Workload, runner: mc.Impl, cfg: BenchConfig, **fields) -> list[dict]:
+    progress(f"{wl.shape.name}: {fields['impl']} {fields['format']}")
+    return mc.measure(wl, runner, cfg.timing, threads=cfg.threads, **fields)
+
+
+def torch_rows(wl: mc.Workload, cfg: BenchConfig) -> list[dict]:
+    rows = measure(wl, torch_impl(naive_moe, wl.w13, wl.w2), cfg, impl="torch-naive", format="fp32")
+    rows += measure(wl, torch_impl(mc.grouped_moe, wl.w13, wl.w2), cfg, impl="torch-grouped", format="fp32")
+    E = mc.expert_count(wl.shape, "bf16")
+    bf16 = torch_impl(mc.grouped_moe, mc.tile(wl.w13d.bfloat16(), E), mc.tile(wl.w2d.bfloat16(), E))
+    return rows + measure(wl, bf16, cfg, impl="torch-grouped", format="bf16")
+
+
+# ------------------------------------------------------------------ ours (tandem_native)
+
+
+def tandem_impl(tn, wl: mc.Workload, fmt: str, pool) -> tuple[mc.Impl, float]:
+    """A layer of E experts, and the seconds packing took. Where E exceeds the float32 source (the
+    DeepSeek shape), the layer is E / K copies of one packed chunk of K experts, and decode rotates
+    through the chunks: every call still streams K experts from DRAM, while packing (slow for int4)
+    and the float32 source stay small. pack_experts takes float32 [E, 2I, D] and [E, D, I]."""
+    S, E, K = wl.w13.shape[0], mc.expert_count(wl.shape, fmt), wl.shape.top_k
+    per_chunk = E if E <= S else K
+    t0 = time.perf_counter()
+    buf = tn.pack_experts(wl.w13[:per_chunk].numpy(), wl.w2[:per_chunk].numpy(), fmt, GROUP_SIZE, pool)
+    pack_s = time.perf_counter() - t0
+    layers = [tn.MoeLayer(buf)] + [tn.MoeLayer(buf.copy()) for _ in range(E // per_chunk - 1)]
+
+    def prepare(x, ids, w):
+        return x.numpy(), ids.numpy(), w.numpy(), np.empty(tuple(x.shape), np.float32)
+
+    def forward(chunk, a):
+        tn.moe_forward(layers[chunk], *a, pool)
+        return a[3]
+
+    return mc.Impl(prepare, forward, per_chunk, len(layers), buf.nbytes / per_chunk), pack_s
+
+
+def tandem_format_rows(tn, wl: mc.Workload, fmt: str, pool, cfg: BenchConfig) -> list[dict]:
+    try:
+        runner, pack_s = tandem_impl(tn, wl, fmt, pool)
+        note = f"{tn.active_isa()}, pack {pack_s:.1f} s"
+        return measure(wl, runner, cfg, impl="tandem", format=fmt, pack_s=pack_s, isa=tn.active_isa(), note=note)
+    except (ValueError, RuntimeError) as e:  # what the bindings raise
+        return [mc.failed_row(wl.shape, "tandem", fmt, f"failed: {e}")]
+
+
+def tandem_rows(wl: mc.Workload, cfg: BenchConfig) -> list[dict]:
+    try:
+        import tandem_native as tn
+    except ImportError as e:
+        return [mc.failed_row(wl.shape, "tandem", "-", f"not built: {e}")]
+    pool = tn.ThreadPool(cfg.threads)
+    return [r for fmt in OUR_FORMATS for r in tandem_format_rows(tn, wl, fmt, pool, cfg)]
+
+
+def local_rows(shape: mc.MoeShape, cfg: BenchConfig) -> list[dict]:
+    """Every in-process implementation on one shape; the workload is freed on return."""
+    progress(f"{shape.name}: random weights and inputs")
+    wl = mc.make_workload(shape)
+    rows = torch_rows(wl, cfg) if "torch" in cfg.impls else []
+    return rows + (tandem_rows(wl, cfg) if "tandem" in cfg.impls else [])
+
+
+# ------------------------------------------------------------------ kt-kernel, in its own venv
+
+
+def kt_thread_counts(threads: int) -> list[int]:
+    """kt-kernel's dispatcher and workers can oversubscribe small machines: try 1 and 2 threads."""
+    return sorted({1, min(2, threads), threads})
+
+
+def run_kt_worker(shape: mc.MoeShape, cfg: BenchConfig) -> list[dict]:
+    """One subprocess per shape, all formats: its rows for every thread count tried, and a row saying
+    why for each format it left without any (it saves its rows after each format, so a crash costs
+    only the formats from there on)."""
+    t = cfg.timing
+    progress(f"{shape.name}: kt-kernel {', '.join(KT_FORMATS)}")
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "rows.json"
+        cmd = [str(KT_PYTHON), "-m", "bench._ktkernel_worker", "--shape", shape.name, "--formats", ",".join(KT_FORMATS),
+               "--threads", ",".join(map(str, kt_thread_counts(cfg.threads))), "--decode-calls", str(t.decode_calls),
+               "--prefill-calls", str(t.prefill_calls), "--warmup", str(t.warmup), "--budget", str(t.budget_s),
+               "--out", str(out)]  # fmt: skip
+        why = worker_failure(cmd)
+        rows = json.loads(out.read_text()) if out.exists() else []
+    done = {r["format"] for r in rows}
+    return rows + [mc.failed_row(shape, "kt-kernel", f, why) for f in KT_FORMATS if f not in done]
+
+
+def worker_failure(cmd: list[str]) -> str:
+    """Runs the worker; what went wrong with it, for the rows it did not write."""
+    try:
+        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=KT_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return f"worker timed out after {KT_TIMEOUT_S} s"
+    if proc.returncode < 0:
+        return f"worker killed by {signal.Signals(-proc.returncode).name}"
+    tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+    return f"worker exited with {proc.returncode}: {tail}"
+
+
+def fastest(trials: list[dict]) -> list[dict]:
+    """Per (shape, phase, format), the row of the thread count that ran fastest; failures as they are."""
+    best: dict[tuple, dict] = {}
+    for r in (r for r in trials if "ms" in r):
+        key = (r["shape"], r["phase"], r["format"])
+        if key not in best or r["ms"] < best[key]["ms"]:
+            best[key] = r
+    tried = ",".join(map(str, sorted({r["threads"] for r in trials if "ms" in r})))
+    chosen = [dict(r, note=f"{r['note']}, best of {tried} thr") for r in best.values()]
+    return chosen + [r for r in trials if "ms" not in r]
+
+
+def fastest_threads(rows: list[dict]) -> dict:
+    """'shape phase format' -> the thread count kt-kernel ran fastest with."""
+    kt = (r for r in rows if r["impl"] == "kt-kernel" and "ms" in r)
+    return {f"{r['shape']} {r['phase']} {r['format']}": r["threads"] for r in kt}
+
+
+def kt_trials(cfg: BenchConfig) -> list[dict]:
+    if not KT_PYTHON.exists():
+        note = "not set up: run bench/setup_ktkernel.sh (or pass --setup-kt)"
+        return [mc.failed_row(s, "kt-kernel", "-", note) for s in mc.SHAPES.values()]
+    return [r for s in mc.SHAPES.values() for r in run_kt_worker(s, cfg)]
+
+
+# ------------------------------------------------------------------ output
+
+
+def with_rates(row: dict, limits: dict) -> dict:
+    """Adds GB/s of weights and its fraction of the read bandwidth (decode), or GFLOP/s and its
+    fraction of the matmul peak (prefill)."""
+    if "bytes_per_call" in row:
+        gbps = row["bytes_per_call"] / row["ms"] / 1e6
+        return dict(row, gbps=gbps, frac_read_bw=gbps / limits["read_gbps"])
+    if "flops_per_call" in row:
+        gflops = row["flops_per_call"] / row["ms"] / 1e6
+        return dict(row, gflops=gflops, frac_peak=gflops / limits["peak_gflops"])
+    return row
+
+
+def display_order(rows: list[dict]) -> list[dict]:
+    shapes, phases = list(mc.SHAPES), ["decode", "prefill", "-"]
+    return sorted(rows, key=lambda r: (shapes.index(r["shape"]), phases.index(r["phase"])))
+
+
+COLUMNS = (  # header, row key, number format (None: text, aligned left)
+    ("shape", "shape", None), ("phase", "phase", None), ("impl", "impl", None), ("format", "format", None),
+    ("E", "experts", "{}"), ("thr", "threads", "{}"), ("ms/call", "ms", "{:.2f}"), ("GB/s", "gbps", "{:.1f}"),
+    ("frac BW", "frac_read_bw", "{:.2f}"), ("GFLOP/s", "gflops", "{:.1f}"), ("frac pk", "frac_peak", "{:.2f}"),
+    ("rel err", "err", "{:.4f}"), ("note", "note", None),
+)  # fmt: skip
+
+
+LEGEND = """\
+decode: 1 token, top-8, fresh experts every call; GB/s = the active experts' weight bytes / time.
+prefill: 512 tokens, top-8; GFLOP/s = 2*T*K*3*D*I / time (integer kernels can pass the fp32 peak).
+E: experts in the layer; rel err: L2 error against float32 on the same weights (kt-kernel takes
+bf16 activations); thr for kt-kernel: the fastest of the thread counts tried."""
+
+
+def cell(row: dict, key: str, fmt: str | None) -> str:
+    value = row.get(key)
+    return "-" if value is None else fmt.format(value) if fmt else str(value)
+
+
+def print_table(rows: list[dict], limits: dict, info: dict) -> None:
+    s, e = limits["start"], limits["end"]
+    print(f"{info['cpu']} ({' '.join(info['isa'])}), {info['threads']} threads, torch {info['torch']}")
+    print(f"read bandwidth {s['read_gbps']:.1f} / {e['read_gbps']:.1f} GB/s (start / end; fractions use "
+          f"{limits['read_gbps']:.1f}), fp32 matmul peak {s['peak_gflops']:.0f} / {e['peak_gflops']:.0f} GFLOP/s "
+          f"(use {limits['peak_gflops']:.0f})")  # fmt: skip
+    warn = "  WARNING: rows are slowed, run again on a quiet machine" if info["foreign_load"] > 0.05 else ""
+    print(f"other processes used {info['foreign_load']:.0%} of the CPUs during the run{warn}")
+    lines = [[h for h, _, _ in COLUMNS]] + [[cell(r, key, fmt) for _, key, fmt in COLUMNS] for r in rows]
+    widths = [max(len(v) for v in col) for col in zip(*lines)]
+    for values in lines:
+        cells = (v.rjust(w) if fmt else v.ljust(w) for v, w, (_, _, fmt) in zip(values, widths, COLUMNS))
+        print("  ".join(cells).rstrip())
+    print(LEGEND)
+
+
+def write_json(path: Path, report: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=1) + "\n")
+    print(f"wrote {path}")
+
+
+def main(argv=None) -> None:
+    cfg = parse_args(argv)
+    torch.set_num_threads(cfg.threads)
+    if cfg.setup_kt and not KT_PYTHON.exists():
+        subprocess.run([str(BENCH / "setup_ktkernel.sh")], check=True)
+    load = _machine.ForeignLoad()
+    progress("machine limits")
+    info, start = _machine.machine_info(cfg.threads), _machine.machine_limits(cfg.limit_reps)
+    rows = [r for s in mc.SHAPES.values() for r in local_rows(s, cfg)]
+    trials = kt_trials(cfg) if "kt" in cfg.impls else []
+    progress("machine limits, again")
+    limits = _machine.combined_limits(start, _machine.machine_limits(cfg.limit_reps))
+    info["foreign_load"] = load.share()
+    rows = display_order([with_rates(r, limits) for r in rows + fastest(trials)])
+    print_table(rows, limits, info)
+    kt = {"threads_tried": kt_thread_counts(cfg.threads), "fastest_threads": fastest_threads(rows),
+          "trials": [with_rates(r, limits) for r in trials]}  # fmt: skip
+    write_json(cfg.out, {"machine": info, "quick": cfg.quick, "limits": limits, "rows": rows, "kt_kernel": kt})
+
+
+if __name__ == "__main__":
+    main()

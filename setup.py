@@ -30,6 +30,8 @@ class BuildVariants(build_ext):
 ext = Pybind11Extension(
     "tandem_native",
     sorted(str(p) for p in (NATIVE / "src").glob("*.cpp")),
+    # every native file: a change to any of them (a variant's source, a header) rebuilds the module
+    depends=sorted(str(p) for p in NATIVE.rglob("*") if p.suffix in (".cpp", ".h")),
     include_dirs=[str(NATIVE / "include"), str(NATIVE / "src")],
     extra_compile_args=COMMON_FLAGS,
     extra_link_args=["-pthread"],

@@ -28,7 +28,7 @@ CHAT_TEMPLATE = (
 _COMMON = dict(
     vocab_size=VOCAB,
     hidden_size=64,
-    intermediate_size=96,
+    intermediate_size=128,
     num_hidden_layers=3,
     num_attention_heads=4,
     max_position_embeddings=256,
@@ -46,7 +46,7 @@ _MLA = dict(
     qk_rope_head_dim=8,
     v_head_dim=16,
     num_key_value_heads=4,
-    moe_intermediate_size=32,
+    moe_intermediate_size=64,
     n_shared_experts=2,
     n_routed_experts=16,
     num_experts_per_tok=4,
@@ -87,12 +87,12 @@ RECIPES: dict[str, tuple[str, dict]] = {
     }),
     "qwen3_moe": ("qwen3_moe", {
         **_COMMON, "num_key_value_heads": 2, "head_dim": 16, "num_experts": 16, "num_experts_per_tok": 4,
-        "moe_intermediate_size": 32, "norm_topk_prob": True, "decoder_sparse_step": 1,
+        "moe_intermediate_size": 64, "norm_topk_prob": True, "decoder_sparse_step": 1,
         "mlp_only_layers": [1], "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
     }),
     "qwen2_moe": ("qwen2_moe", {
         **_COMMON, "num_key_value_heads": 2, "num_experts": 16, "num_experts_per_tok": 4,
-        "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48, "norm_topk_prob": False,
+        "moe_intermediate_size": 64, "shared_expert_intermediate_size": 48, "norm_topk_prob": False,
         "decoder_sparse_step": 1, "mlp_only_layers": [0], "qkv_bias": True,
         "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
     }),

@@ -3,6 +3,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <memory>
 #include <stdexcept>
@@ -72,9 +73,10 @@ py::array_t<uint8_t> pack_experts(py::array w13, py::array w2, const std::string
     if (E < 1 || D < 1 || I2 < 2 || I2 % 2) throw std::invalid_argument("w13: shape " + shape_of(w13) + " is not [E, 2I, D]");
     const int I = I2 / 2;
     check_array<float>(w2, "w2", "float32", {E, D, I});
-    if (D % kBlock || I % kBlock)
+    const int align = std::max(kBlock, block_cols(f));
+    if (D % align || I % align)
         throw std::invalid_argument("w13: hidden (" + std::to_string(D) + ") and intermediate (" + std::to_string(I) +
-                                    ") sizes must be multiples of 32");
+                                    ") sizes must be multiples of " + std::to_string(align) + " for " + fmt);
     if (f != Format::BF16 && (group < kBlock || group % kBlock || D % group || I % group))
         throw std::invalid_argument("group_size: " + std::to_string(group) + " must be a multiple of 32 dividing hidden (" +
                                     std::to_string(D) + ") and intermediate (" + std::to_string(I) + ")");

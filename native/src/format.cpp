@@ -42,9 +42,7 @@ Matrix matrix_at(const uint8_t* base, Format f, int rows, int cols, int group) {
     return m;
 }
 
-int block_cols(Format f) { return f == Format::BF16 ? 16 : kBlock; }
-
-int block_bytes(Format f) { return f == Format::INT4 ? kBlock / 2 : 32; }
+int block_cols(Format f) { return f == Format::BF16 ? 16 : f == Format::INT8 ? kBlock : 2 * kBlock; }
 
 const char* format_name(Format f) {
     switch (f) {

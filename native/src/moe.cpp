@@ -44,7 +44,8 @@ MoeLayerView MoeLayerView::parse(const uint8_t* data, size_t size) {
     if (h.format >= uint32_t(kFormats)) throw std::invalid_argument("buffer: unknown format");
     const bool quantized = h.format != uint32_t(Format::BF16);
     if (!h.num_experts || !h.hidden || !h.intermediate || h.num_experts > (1u << 20) || h.hidden > (1u << 20) ||
-        h.intermediate > (1u << 20) || h.hidden % kBlock || h.intermediate % kBlock ||
+        h.intermediate > (1u << 20) || h.hidden % block_cols(Format(h.format)) ||
+        h.intermediate % block_cols(Format(h.format)) ||
         (quantized && (!h.group_size || h.group_size % kBlock || h.hidden % h.group_size ||
                        h.intermediate % h.group_size)))
         throw std::invalid_argument("buffer: inconsistent header (" + dims(h) + ")");
@@ -168,7 +169,7 @@ bool pack_row(const float* w, const Matrix& m, int r, uint16_t* scales) {
             if (f == Format::INT8) {
                 block(c)[c % kBlock] = uint8_t(int8_t(q));
             } else {  // nibble layout of format.h: column j and j + 16 of each 32-column block share a byte
-                uint8_t& byte = block(c)[c % (kBlock / 2)];
+                uint8_t& byte = block(c)[((c % 64) / kBlock) * (kBlock / 2) + c % (kBlock / 2)];
                 byte = (c % kBlock) < kBlock / 2 ? uint8_t((byte & 0xf0) | q) : uint8_t((byte & 0x0f) | (q << 4));
             }
         }

@@ -79,6 +79,7 @@ def test_out_must_not_alias_x(layer, pool):
     ("group", "group_size: 48 must be a multiple of 32"),
     ("nan", "w13: non-finite value"),
     ("huge", "w2: non-finite value, or a scale beyond fp16's range"),
+    ("int4_width", "sizes must be multiples of 64 for int4"),
 ])
 def test_bad_pack_arguments(weights, pool, kind, message):
     w13, w2 = weights
@@ -91,6 +92,8 @@ def test_bad_pack_arguments(weights, pool, kind, message):
         fmt = "int3"
     elif kind == "group":
         group = 48
+    elif kind == "int4_width":
+        fmt = "int4"  # I = 32: int4 packs 64 columns per block
     elif kind == "nan":
         w13 = w13.copy()
         w13[3, 5, 7] = np.nan

@@ -1,14 +1,15 @@
 // Packed routed-expert layers: one flat buffer = a 64-byte header, then per expert the w13 matrix
 // ([2I, D]: gate rows, then up rows) and the w2 matrix ([D, I]), each section 64-byte aligned.
-// A matrix of R rows x C columns (both multiples of 32) is cut into blocks: 16 columns of bf16 or
-// 32 columns of int8/int4, 32 or 16 bytes each. Values are stored in tiles of 4 rows, block by
+// A matrix of R rows x C columns (both multiples of 32; of 64 for int4) is cut into 32-byte blocks:
+// 16 columns of bf16, 32 of int8 or 64 of int4. Values are stored in tiles of 4 rows, block by
 // block ([R/4][C/block][4 rows][block bytes]), so the 4 rows a kernel computes together are one
 // sequential stream; then come the fp16 scales, row-major [R][C/G].
 //   bf16: a block is 16 uint16.
 //   int8: a block is 32 int8, symmetric: w = scale * q.
-//   int4: a block is 16 bytes; byte j holds column j in its low nibble and column j+16 in its high
-//         nibble; a nibble indexes the 16 non-uniform levels of kInt4Levels (as llama.cpp's
-//         IQ4_NL), so w = scale * kInt4Levels[q].
+//   int4: a block is two 32-column halves of 16 bytes; byte j of a half holds its column j in the
+//         low nibble and column j+16 in the high nibble, so one 32-byte load unpacks into two
+//         registers of 32 weights. A nibble indexes the 16 non-uniform levels of kInt4Levels (as
+//         llama.cpp's IQ4_NL), so w = scale * kInt4Levels[q].
 // D hidden size, I expert intermediate size, E experts, G group size (a multiple of 32).
 #pragma once
 #include <cstddef>
@@ -52,12 +53,12 @@ size_t matrix_bytes(Format f, int rows, int cols, int group);
 size_t expert_bytes(Format f, int hidden, int intermediate, int group);
 size_t layer_bytes(Format f, int experts, int hidden, int intermediate, int group);
 Matrix matrix_at(const uint8_t* base, Format f, int rows, int cols, int group);
-int block_cols(Format f);   // columns per block: 16 (bf16) or 32
-int block_bytes(Format f);  // bytes per block: 32 (bf16, int8) or 16 (int4)
+int block_cols(Format f);      // columns per block: 16 (bf16), 32 (int8), 64 (int4)
+constexpr int kBlockBytes = 32;  // bytes per block, every format
 // Address of block b (of block_cols columns) of row r.
 inline const uint8_t* block_at(const Matrix& m, int r, int b) {
-    const int bytes = block_bytes(m.format), blocks = m.cols / block_cols(m.format);
-    return m.data + (int64_t(r / kTileRows) * blocks + b) * kTileRows * bytes + (r % kTileRows) * bytes;
+    const int blocks = m.cols / block_cols(m.format);
+    return m.data + ((int64_t(r / kTileRows) * blocks + b) * kTileRows + r % kTileRows) * kBlockBytes;
 }
 const char* format_name(Format f);
 

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <vector>
 
 #include "tandem/kernels.h"
 
@@ -95,16 +96,15 @@ struct Int8Block {
     static __m256i load(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 };
 
-struct Int4Block {
-    static constexpr int kBytes = kBlock / 2;
-    static __m256i load(const uint8_t* p) {
-        const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-        const __m128i low = _mm_set1_epi8(0x0f);
-        const __m256i levels = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kInt4Levels)));
-        const __m256i idx = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), low), _mm_and_si128(raw, low));
-        return _mm256_shuffle_epi8(levels, idx);
-    }
-};
+// One 32-byte int4 block (64 columns) -> two registers of 32 int8 weights: `lo` holds columns
+// 0-15 and 32-47, `hi` columns 16-31 and 48-63 (each 128-bit lane is one 32-column half).
+inline void load_int4(const uint8_t* p, __m256i& lo, __m256i& hi) {
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    const __m256i mask = _mm256_set1_epi8(0x0f);
+    const __m256i levels = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kInt4Levels)));
+    lo = _mm256_shuffle_epi8(levels, _mm256_and_si256(raw, mask));
+    hi = _mm256_shuffle_epi8(levels, _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask));
+}
 
 constexpr int kSpan = 64;  // blocks whose combined scales are prepared at once (2048 columns)
 
@@ -159,22 +159,95 @@ void int_tile(const Matrix& w, int r, const int8_t* const* xq, const float* cons
 }
 
 template <typename Block>
-void matmul_int(const Matrix& w, int r0, int r1, const Activations& x, int n, float* y, int ldy) {
+void int_rows(const Matrix& w, int r, const Activations& x, int n, float* y, int ldy) {
     const int blocks = x.cols / kBlock;
     auto q = [&](int i) { return x.q + x.row(i) * x.cols; };
     auto s = [&](int i) { return x.s + x.row(i) * blocks; };
+    int i = 0;
+    for (; i + 2 <= n; i += 2) {
+        const int8_t* xq[2] = {q(i), q(i + 1)};
+        const float* xs[2] = {s(i), s(i + 1)};
+        int_tile<Block, 2>(w, r, xq, xs, y + int64_t(i) * ldy, ldy);
+    }
+    if (i < n) {
+        const int8_t* xq[1] = {q(i)};
+        const float* xs[1] = {s(i)};
+        int_tile<Block, 1>(w, r, xq, xs, y + int64_t(i) * ldy, ldy);
+    }
+}
+
+template <typename Block>
+void matmul_int(const Matrix& w, int r0, int r1, const Activations& x, int n, float* y, int ldy) {
+    for (int r = r0; r < r1; r += kTileRows) int_rows<Block>(w, r, x, n, y + (r - r0), ldy);
+}
+
+// One 4-row tile of int4 weights against one quantized token (decode). Each 32-byte load gives
+// two 32-column halves; x is rearranged to match, so both halves reduce into one register whose
+// low lanes belong to the first half-block and high lanes to the second.
+void int4_tile(const Matrix& w, int r, const int8_t* xq, const float* xs, float* y) {
+    const int blocks = w.cols / kBlock;
+    const __m256i ones = _mm256_set1_epi16(1);
+    const uint8_t* tile = block_at(w, r, 0);
+    __m256 acc[kTileRows];
+    for (int k = 0; k < kTileRows; ++k) acc[k] = _mm256_setzero_ps();
+    alignas(32) float scale[kTileRows][kSpan];
+    for (int b0 = 0; b0 < blocks; b0 += kSpan) {
+        const int nb = std::min(kSpan, blocks - b0);
+        combined_scales(w, r, b0, nb, xs, scale);
+        for (int j = 0; j < nb; j += 2, tile += kTileRows * kBlockBytes) {
+            _mm_prefetch(reinterpret_cast<const char*>(tile) + kPrefetch, _MM_HINT_T0);
+            _mm_prefetch(reinterpret_cast<const char*>(tile) + kPrefetch + 64, _MM_HINT_T0);
+            const __m256i xa = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + (b0 + j) * kBlock));
+            const __m256i xb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + (b0 + j + 1) * kBlock));
+            const __m256i xlo = _mm256_permute2x128_si256(xa, xb, 0x20), xhi = _mm256_permute2x128_si256(xa, xb, 0x31);
+            const __m256i alo = _mm256_sign_epi8(xlo, xlo), ahi = _mm256_sign_epi8(xhi, xhi);
+            for (int k = 0; k < kTileRows; ++k) {
+                __m256i lo, hi;
+                load_int4(tile + k * kBlockBytes, lo, hi);
+                const __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(alo, _mm256_sign_epi8(lo, xlo)), ones),
+                                                     _mm256_madd_epi16(_mm256_maddubs_epi16(ahi, _mm256_sign_epi8(hi, xhi)), ones));
+                const __m256 s = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_broadcast_ss(&scale[k][j])),
+                                                      _mm_broadcast_ss(&scale[k][j + 1]), 1);
+                acc[k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), s, acc[k]);
+            }
+        }
+    }
+    for (int k = 0; k < kTileRows; ++k) y[k] = hsum(acc[k]);
+}
+
+// int4 against many tokens (prefill): each 4-row tile is expanded once to int8 in L1, then runs the
+// int8 kernel for every token, so the nibble unpacking is paid once per tile instead of per token.
+constexpr int kExpandMinTokens = 4;
+
+void expand_int4_tile(const uint8_t* src, int cols, uint8_t* dst) {
+    for (int b = 0; b < cols / (2 * kBlock); ++b)
+        for (int k = 0; k < kTileRows; ++k, src += kBlockBytes) {
+            __m256i lo, hi;
+            load_int4(src, lo, hi);
+            auto* out = reinterpret_cast<__m256i*>(dst);
+            _mm256_storeu_si256(out + (2 * b) * kTileRows + k, _mm256_permute2x128_si256(lo, hi, 0x20));
+            _mm256_storeu_si256(out + (2 * b + 1) * kTileRows + k, _mm256_permute2x128_si256(lo, hi, 0x31));
+        }
+}
+
+void matmul_int4(const Matrix& w, int r0, int r1, const Activations& x, int n, float* y, int ldy) {
+    const int blocks = x.cols / kBlock, groups = w.cols / w.group;
+    if (n < kExpandMinTokens) {
+        for (int r = r0; r < r1; r += kTileRows)
+            for (int i = 0; i < n; ++i)
+                int4_tile(w, r, x.q + x.row(i) * x.cols, x.s + x.row(i) * blocks, y + int64_t(i) * ldy + (r - r0));
+        return;
+    }
+    thread_local std::vector<uint8_t> expanded;
+    expanded.resize(size_t(kTileRows) * w.cols);
     for (int r = r0; r < r1; r += kTileRows) {
-        int i = 0;
-        for (; i + 2 <= n; i += 2) {
-            const int8_t* xq[2] = {q(i), q(i + 1)};
-            const float* xs[2] = {s(i), s(i + 1)};
-            int_tile<Block, 2>(w, r, xq, xs, y + int64_t(i) * ldy + (r - r0), ldy);
-        }
-        if (i < n) {
-            const int8_t* xq[1] = {q(i)};
-            const float* xs[1] = {s(i)};
-            int_tile<Block, 1>(w, r, xq, xs, y + int64_t(i) * ldy + (r - r0), ldy);
-        }
+        expand_int4_tile(block_at(w, r, 0), w.cols, expanded.data());
+        Matrix tile = w;  // the 4 rows as an int8 matrix of their own
+        tile.data = expanded.data();
+        tile.scales = w.scales + int64_t(r) * groups;
+        tile.rows = kTileRows;
+        tile.format = Format::INT8;
+        int_rows<Int8Block>(tile, 0, x, n, y + (r - r0), ldy);
     }
 }
 
@@ -209,7 +282,7 @@ void silu_mul(const float* gate_up, int intermediate, float* h) {
 
 const KernelTable& avx2_kernels() {
     static const KernelTable table{
-        "avx2", {matmul_bf16, matmul_int<Int8Block>, matmul_int<Int4Block>}, quantize, arrange, silu_mul};
+        "avx2", {matmul_bf16, matmul_int<Int8Block>, matmul_int4}, quantize, arrange, silu_mul};
     return table;
 }
 

@@ -64,7 +64,7 @@ void matmul_int8(const Matrix& w, int r0, int r1, const Activations& x, int n, f
 
 void matmul_int4(const Matrix& w, int r0, int r1, const Activations& x, int n, float* y, int ldy) {
     matmul_int(w, r0, r1, x, n, y, ldy, [&](int r, int b, int8_t* out) {
-        const uint8_t* src = block_at(w, r, b);
+        const uint8_t* src = block_at(w, r, b / 2) + (b % 2) * (kBlock / 2);
         for (int j = 0; j < kBlock / 2; ++j) {
             out[j] = kInt4Levels[src[j] & 0x0f];
             out[j + kBlock / 2] = kInt4Levels[src[j] >> 4];

@@ -169,8 +169,13 @@ PYBIND11_MODULE(tandem_native, m) {
           py::arg("pool"), py::arg("isa") = "", "Start a fused MoE layer call; returns a MoeJob");
     m.def(
         "moe_forward",
-        [](py::object layer, py::array x, py::array ids, py::array weights, py::array out, py::object pool,
-           const std::string& isa) { submit(layer, x, ids, weights, out, pool, isa).wait(); },
+        [](const PyLayer& layer, py::array x, py::array ids, py::array weights, py::array out, ThreadPool& pool,
+           const std::string& isa) {
+            const MoeCall call = make_call(layer, x, ids, weights, out);
+            const KernelTable& k = table(isa);
+            py::gil_scoped_release release;
+            pool.run([&] { moe_forward(pool, k, call); });
+        },
         py::arg("layer"), py::arg("x"), py::arg("ids"), py::arg("weights"), py::arg("out"), py::arg("pool"),
         py::arg("isa") = "", "out[t] = sum_k weights[t,k] * expert_ids[t,k](x[t]), written in place");
 }

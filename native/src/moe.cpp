@@ -201,7 +201,7 @@ void pack_layer(ThreadPool& pool, const float* w13, const float* w2, Format f, i
     v.group = int(h.group_size);
     std::atomic<int> bad{-1};
     const int per_expert = 2 * intermediate + hidden;  // w13 rows, then w2 rows
-    pool.submit([&] {
+    pool.run([&] {
         pool.parallel_for(experts * ((per_expert + kRowBlock - 1) / kRowBlock), [&](int task) {
             const int blocks = (per_expert + kRowBlock - 1) / kRowBlock;
             const int e = task / blocks, r0 = (task % blocks) * kRowBlock;
@@ -215,7 +215,7 @@ void pack_layer(ThreadPool& pool, const float* w13, const float* w2, Format f, i
                 if (!pack_row(src, m, row, scales)) bad = first ? 0 : 1;
             }
         });
-    })->wait();
+    });
     if (bad >= 0)
         throw std::invalid_argument(std::string(bad == 0 ? "w13" : "w2") +
                                     ": non-finite value, or a scale beyond fp16's range");
@@ -256,47 +256,51 @@ Plan plan(const MoeCall& c, int num_experts) {
     return p;
 }
 
-struct Quantized {  // int8 blocks of activations, for integer-format weights
+// Activations ready for a variant's matmul: int8 blocks with scales (integer formats) or fp32 rows
+// in the variant's arranged layout (bf16).
+struct Prepared {
     std::vector<int8_t> q;
-    std::vector<float> s;
+    std::vector<float> s, f;
 
-    void resize(int rows, int cols) {
-        q.resize(size_t(rows) * cols);
-        s.resize(size_t(rows) * (cols / kBlock));
+    Activations view(const int32_t* index, int cols, size_t first_row) const {
+        Activations a;
+        a.cols = cols;
+        a.index = index;
+        if (!q.empty()) {
+            a.q = q.data() + first_row * cols;
+            a.s = s.data() + first_row * (cols / kBlock);
+        } else {
+            a.f = f.data() + first_row * cols;
+        }
+        return a;
     }
 };
 
-// fp32 activations in the layout of the variant's bf16 kernel.
-std::vector<float> arrange_rows(ThreadPool& pool, const KernelTable& k, const float* x, int rows, int cols) {
-    std::vector<float> out(size_t(rows) * cols);
-    const int chunk = 16;
-    pool.parallel_for((rows + chunk - 1) / chunk, [&](int task) {
-        for (int r = task * chunk; r < std::min(rows, (task + 1) * chunk); ++r)
-            k.arrange(x + size_t(r) * cols, cols, out.data() + size_t(r) * cols);
-    });
-    return out;
-}
-
-void quantize_rows(ThreadPool& pool, const KernelTable& k, const float* x, int rows, int cols, Quantized& out) {
-    out.resize(rows, cols);
-    const int chunk = 16;
-    pool.parallel_for((rows + chunk - 1) / chunk, [&](int task) {
-        for (int r = task * chunk; r < std::min(rows, (task + 1) * chunk); ++r)
-            k.quantize(x + size_t(r) * cols, cols, out.q.data() + size_t(r) * cols, out.s.data() + size_t(r) * (cols / kBlock));
-    });
-}
-
-Activations activations(const float* f, const Quantized* q, const int32_t* index, int cols, size_t first_row) {
-    Activations a;
-    a.cols = cols;
-    a.index = index;
-    if (q) {
-        a.q = q->q.data() + first_row * cols;
-        a.s = q->s.data() + first_row * (cols / kBlock);
+// Builds `rows` rows of `cols` activations: produce(r, tmp) writes fp32 row r into tmp, which is
+// then quantized or arranged. A few rows (decode) run inline: waking the pool would cost more.
+template <typename Produce>
+Prepared prepare(ThreadPool& pool, const KernelTable& k, bool quantized, int rows, int cols, Produce produce) {
+    Prepared out;
+    if (quantized) {
+        out.q.resize(size_t(rows) * cols);
+        out.s.resize(size_t(rows) * (cols / kBlock));
     } else {
-        a.f = f + first_row * cols;
+        out.f.resize(size_t(rows) * cols);
     }
-    return a;
+    constexpr int chunk = 8;
+    auto run = [&](int task) {
+        thread_local std::vector<float> tmp;
+        tmp.resize(cols);
+        for (int r = task * chunk; r < std::min(rows, (task + 1) * chunk); ++r) {
+            produce(r, tmp.data());
+            if (quantized) k.quantize(tmp.data(), cols, out.q.data() + size_t(r) * cols, out.s.data() + size_t(r) * (cols / kBlock));
+            else k.arrange(tmp.data(), cols, out.f.data() + size_t(r) * cols);
+        }
+    };
+    const int tasks = (rows + chunk - 1) / chunk;
+    if (tasks == 1) run(0);
+    else pool.parallel_for(tasks, run);
+    return out;
 }
 
 }  // namespace
@@ -309,11 +313,9 @@ void moe_forward(ThreadPool& pool, const KernelTable& k, const MoeCall& c) {
     if (c.tokens == 0) return;
     const Plan p = plan(c, L.experts);
     const int A = int(p.experts.size()), rows = p.start[A];
-
-    Quantized xq;  // [T, D]
-    std::vector<float> xf;
-    if (quantized) quantize_rows(pool, k, c.x, c.tokens, D, xq);
-    else xf = arrange_rows(pool, k, c.x, c.tokens, D);
+    const Prepared x = prepare(pool, k, quantized, c.tokens, D, [&](int r, float* row) {
+        std::copy(c.x + size_t(r) * D, c.x + size_t(r + 1) * D, row);
+    });
 
     // Phase 1: gate and up projections, [rows, 2I], one task per (active expert, block of w13 rows).
     std::vector<float> hu(size_t(rows) * 2 * I);
@@ -321,20 +323,14 @@ void moe_forward(ThreadPool& pool, const KernelTable& k, const MoeCall& c) {
     pool.parallel_for(A * up_blocks, [&](int task) {
         const int a = task / up_blocks, r0 = (task % up_blocks) * kRowBlock, r1 = std::min(2 * I, r0 + kRowBlock);
         const int n = p.start[a + 1] - p.start[a];
-        const Activations x = activations(xf.data(), quantized ? &xq : nullptr, p.tokens.data() + p.start[a], D, 0);
-        k.matmul[F](L.w13(p.experts[a]), r0, r1, x, n, hu.data() + size_t(p.start[a]) * 2 * I + r0, 2 * I);
+        k.matmul[F](L.w13(p.experts[a]), r0, r1, x.view(p.tokens.data() + p.start[a], D, 0), n,
+                    hu.data() + size_t(p.start[a]) * 2 * I + r0, 2 * I);
     });
 
-    // Phase 2: h = silu(gate) * up, [rows, I], quantized for integer formats.
-    std::vector<float> h(size_t(rows) * I);
-    const int chunk = 8;
-    pool.parallel_for((rows + chunk - 1) / chunk, [&](int task) {
-        for (int r = task * chunk; r < std::min(rows, (task + 1) * chunk); ++r)
-            k.silu_mul(hu.data() + size_t(r) * 2 * I, I, h.data() + size_t(r) * I);
+    // Phase 2: h = silu(gate) * up, [rows, I], ready for the down projections.
+    const Prepared h = prepare(pool, k, quantized, rows, I, [&](int r, float* row) {
+        k.silu_mul(hu.data() + size_t(r) * 2 * I, I, row);
     });
-    Quantized hq;
-    if (quantized) quantize_rows(pool, k, h.data(), rows, I, hq);
-    else h = arrange_rows(pool, k, h.data(), rows, I);
 
     // Phase 3: down projections; a task owns a block of output columns for every token, so the
     // weighted sum over experts is race-free and in a fixed order whatever the thread count.
@@ -345,8 +341,7 @@ void moe_forward(ThreadPool& pool, const KernelTable& k, const MoeCall& c) {
         for (int a = 0; a < A; ++a) {
             const int n = p.start[a + 1] - p.start[a];
             y.resize(size_t(n) * width);
-            const Activations x = activations(h.data(), quantized ? &hq : nullptr, nullptr, I, p.start[a]);
-            k.matmul[F](L.w2(p.experts[a]), r0, r1, x, n, y.data(), width);
+            k.matmul[F](L.w2(p.experts[a]), r0, r1, h.view(nullptr, I, p.start[a]), n, y.data(), width);
             for (int i = 0; i < n; ++i) {
                 float* o = c.out + size_t(p.tokens[p.start[a] + i]) * D + r0;
                 const float w = p.weights[p.start[a] + i];

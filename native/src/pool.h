@@ -25,7 +25,7 @@ private:
     void finish(std::exception_ptr error);
     std::mutex mu_;
     std::condition_variable cv_;
-    bool done_ = false;
+    std::atomic<bool> done_{false};
     std::exception_ptr error_;
 };
 
@@ -38,6 +38,9 @@ public:
 
     int size() const { return int(helpers_.size()) + 1; }
     std::shared_ptr<Job> submit(std::function<void()> work);
+    // Runs `work` on the calling thread as the coordinator (no hand-off to wait for); blocks while
+    // a submitted job is running.
+    void run(const std::function<void()>& work);
     // Only from inside a submitted job (the coordinator thread).
     void parallel_for(int n, const std::function<void(int)>& fn);
 
@@ -45,11 +48,12 @@ private:
     void coordinator_loop();
     void helper_loop();
     void run_tasks();
-    bool spin_until(const std::function<bool()>& ready);
 
     std::mutex mu_;
     std::condition_variable work_cv_, done_cv_, jobs_cv_;
     std::deque<std::pair<std::function<void()>, std::shared_ptr<Job>>> jobs_;
+    std::atomic<int> queued_{0};
+    std::mutex exec_mu_;  // held by whichever thread is coordinating a job
     const std::function<void(int)>* fn_ = nullptr;
     int n_ = 0;
     std::atomic<int> next_{0}, done_{0}, active_{0};

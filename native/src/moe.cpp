@@ -13,7 +13,7 @@ namespace tandem {
 
 namespace {
 
-constexpr int kRowBlock = 32;  // weight rows per task: a multiple of every kernel's row tile
+constexpr int kFewTokens = 16;  // up to this many tokens a call is treated as decode
 
 std::string dims(const Header& h) {
     return std::to_string(h.num_experts) + " experts, hidden " + std::to_string(h.hidden) + ", intermediate " +
@@ -201,11 +201,12 @@ void pack_layer(ThreadPool& pool, const float* w13, const float* w2, Format f, i
     v.group = int(h.group_size);
     std::atomic<int> bad{-1};
     const int per_expert = 2 * intermediate + hidden;  // w13 rows, then w2 rows
+    constexpr int kPackRows = 32;
     pool.run([&] {
-        pool.parallel_for(experts * ((per_expert + kRowBlock - 1) / kRowBlock), [&](int task) {
-            const int blocks = (per_expert + kRowBlock - 1) / kRowBlock;
-            const int e = task / blocks, r0 = (task % blocks) * kRowBlock;
-            for (int r = r0; r < std::min(per_expert, r0 + kRowBlock); ++r) {
+        pool.parallel_for(experts * ((per_expert + kPackRows - 1) / kPackRows), [&](int task) {
+            const int blocks = (per_expert + kPackRows - 1) / kPackRows;
+            const int e = task / blocks, r0 = (task % blocks) * kPackRows;
+            for (int r = r0; r < std::min(per_expert, r0 + kPackRows); ++r) {
                 const bool first = r < 2 * intermediate;
                 const Matrix m = first ? v.w13(e) : v.w2(e);
                 const int row = first ? r : r - 2 * intermediate;
@@ -256,6 +257,14 @@ Plan plan(const MoeCall& c, int num_experts) {
     return p;
 }
 
+// Weight rows per task: long contiguous runs stream best (up to 256 rows), but keep at least 4
+// tasks per thread so the threads finish together. Always a multiple of the 4-row tile.
+int rows_per_task(int rows, int experts, int threads) {
+    int block = 256;
+    while (block > 32 && experts * ((rows + block - 1) / block) < 4 * threads) block /= 2;
+    return block;
+}
+
 // Activations ready for a variant's matmul: int8 blocks with scales (integer formats) or fp32 rows
 // in the variant's arranged layout (bf16).
 struct Prepared {
@@ -303,6 +312,47 @@ Prepared prepare(ThreadPool& pool, const KernelTable& k, bool quantized, int row
     return out;
 }
 
+// Decode: one task per (active expert, block of w2 rows), so each task streams one long run of
+// weights; then out[t] = sum of w * y over token t's experts, column block by column block, which
+// keeps the sum race-free and in a fixed order whatever the thread count.
+void down_by_experts(ThreadPool& pool, const KernelTable& k, const MoeCall& c, const Plan& p, const Prepared& h) {
+    const MoeLayerView& L = *c.layer;
+    const int D = L.hidden, I = L.intermediate, A = int(p.experts.size()), rows = p.start[A];
+    std::vector<float> y(size_t(rows) * D);  // [rows, D]
+    const int down_rows = rows_per_task(D, A, pool.size()), blocks = (D + down_rows - 1) / down_rows;
+    pool.parallel_for(A * blocks, [&](int task) {
+        const int a = task / blocks, r0 = (task % blocks) * down_rows, r1 = std::min(D, r0 + down_rows);
+        k.matmul[int(L.format)](L.w2(p.experts[a]), r0, r1, h.view(nullptr, I, p.start[a]), p.start[a + 1] - p.start[a],
+                                y.data() + size_t(p.start[a]) * D + r0, D);
+    });
+    for (int e = 0; e < rows; ++e) {
+        float* o = c.out + size_t(p.tokens[e]) * D;
+        for (int j = 0; j < D; ++j) o[j] += p.weights[e] * y[size_t(e) * D + j];
+    }
+}
+
+// Prefill: a task owns a block of output columns for every token and runs every expert's rows of
+// that block, accumulating in a fixed order; no [rows, D] intermediate is written.
+void down_by_columns(ThreadPool& pool, const KernelTable& k, const MoeCall& c, const Plan& p, const Prepared& h) {
+    const MoeLayerView& L = *c.layer;
+    const int D = L.hidden, I = L.intermediate, A = int(p.experts.size());
+    constexpr int kColumns = 32;
+    pool.parallel_for((D + kColumns - 1) / kColumns, [&](int task) {
+        const int r0 = task * kColumns, r1 = std::min(D, r0 + kColumns), width = r1 - r0;
+        thread_local std::vector<float> y;
+        for (int a = 0; a < A; ++a) {
+            const int n = p.start[a + 1] - p.start[a];
+            y.resize(size_t(n) * width);
+            k.matmul[int(L.format)](L.w2(p.experts[a]), r0, r1, h.view(nullptr, I, p.start[a]), n, y.data(), width);
+            for (int i = 0; i < n; ++i) {
+                float* o = c.out + size_t(p.tokens[p.start[a] + i]) * D + r0;
+                const float w = p.weights[p.start[a] + i];
+                for (int j = 0; j < width; ++j) o[j] += w * y[size_t(i) * width + j];
+            }
+        }
+    });
+}
+
 }  // namespace
 
 void moe_forward(ThreadPool& pool, const KernelTable& k, const MoeCall& c) {
@@ -319,9 +369,9 @@ void moe_forward(ThreadPool& pool, const KernelTable& k, const MoeCall& c) {
 
     // Phase 1: gate and up projections, [rows, 2I], one task per (active expert, block of w13 rows).
     std::vector<float> hu(size_t(rows) * 2 * I);
-    const int up_blocks = (2 * I + kRowBlock - 1) / kRowBlock;
+    const int up_rows = rows_per_task(2 * I, A, pool.size()), up_blocks = (2 * I + up_rows - 1) / up_rows;
     pool.parallel_for(A * up_blocks, [&](int task) {
-        const int a = task / up_blocks, r0 = (task % up_blocks) * kRowBlock, r1 = std::min(2 * I, r0 + kRowBlock);
+        const int a = task / up_blocks, r0 = (task % up_blocks) * up_rows, r1 = std::min(2 * I, r0 + up_rows);
         const int n = p.start[a + 1] - p.start[a];
         k.matmul[F](L.w13(p.experts[a]), r0, r1, x.view(p.tokens.data() + p.start[a], D, 0), n,
                     hu.data() + size_t(p.start[a]) * 2 * I + r0, 2 * I);
@@ -332,23 +382,9 @@ void moe_forward(ThreadPool& pool, const KernelTable& k, const MoeCall& c) {
         k.silu_mul(hu.data() + size_t(r) * 2 * I, I, row);
     });
 
-    // Phase 3: down projections; a task owns a block of output columns for every token, so the
-    // weighted sum over experts is race-free and in a fixed order whatever the thread count.
-    const int down_blocks = (D + kRowBlock - 1) / kRowBlock;
-    pool.parallel_for(down_blocks, [&](int task) {
-        const int r0 = task * kRowBlock, r1 = std::min(D, r0 + kRowBlock), width = r1 - r0;
-        thread_local std::vector<float> y;
-        for (int a = 0; a < A; ++a) {
-            const int n = p.start[a + 1] - p.start[a];
-            y.resize(size_t(n) * width);
-            k.matmul[F](L.w2(p.experts[a]), r0, r1, h.view(nullptr, I, p.start[a]), n, y.data(), width);
-            for (int i = 0; i < n; ++i) {
-                float* o = c.out + size_t(p.tokens[p.start[a] + i]) * D + r0;
-                const float w = p.weights[p.start[a] + i];
-                for (int j = 0; j < width; ++j) o[j] += w * y[size_t(i) * width + j];
-            }
-        }
-    });
+    // Phase 3: down projections and the weighted sum over each token's experts.
+    if (c.tokens <= kFewTokens) down_by_experts(pool, k, c, p, h);
+    else down_by_columns(pool, k, c, p, h);
 }
 
 }  // namespace tandem

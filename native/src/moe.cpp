@@ -192,13 +192,7 @@ void pack_layer(ThreadPool& pool, const float* w13, const float* w2, Format f, i
     h.total_bytes = layer_bytes(f, experts, hidden, intermediate, f == Format::BF16 ? 0 : group);
     std::memset(dst, 0, h.total_bytes);
     std::memcpy(dst, &h, sizeof h);
-    MoeLayerView v;
-    v.base = dst;
-    v.format = f;
-    v.experts = experts;
-    v.hidden = hidden;
-    v.intermediate = intermediate;
-    v.group = int(h.group_size);
+    const MoeLayerView v = MoeLayerView::parse(dst, h.total_bytes);  // zeroed scales: finite
     std::atomic<int> bad{-1};
     const int per_expert = 2 * intermediate + hidden;  // w13 rows, then w2 rows
     constexpr int kPackRows = 32;

@@ -5,10 +5,12 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 NATIVE_STAMP := $(VENV)/.native
 NATIVE_SOURCES := $(shell find native -name '*.cpp' -o -name '*.h') setup.py
+PROTOS := $(shell find protos -name '*.proto')
+PROTO_STAMP := tandem/.generated
 
-.PHONY: test setup native clean
+.PHONY: test setup native protos clean
 
-setup: $(NATIVE_STAMP)
+setup: $(NATIVE_STAMP) $(PROTO_STAMP)
 
 # Reinstall only when the project's dependency list changes (the install builds native/ too).
 $(STAMP): pyproject.toml
@@ -23,8 +25,15 @@ $(NATIVE_STAMP): $(STAMP) $(NATIVE_SOURCES)
 
 native: $(NATIVE_STAMP)
 
-test: $(NATIVE_STAMP)
+# gRPC code is generated from protos/ into tandem/ (importable as tandem.v1) and never edited.
+$(PROTO_STAMP): $(STAMP) $(PROTOS)
+	$(PY) -m grpc_tools.protoc -Iprotos --python_out=. --grpc_python_out=. --pyi_out=. $(PROTOS)
+	touch $(PROTO_STAMP)
+
+protos: $(PROTO_STAMP)
+
+test: setup
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 clean:
-	rm -rf $(VENV) .cache build *.egg-info tandem_native*.so
+	rm -rf $(VENV) .cache build *.egg-info tandem_native*.so tandem

@@ -10,6 +10,7 @@
 #include <string>
 
 #include "dispatch.h"
+#include "doorbell.h"
 #include "moe.h"
 
 namespace py = pybind11;
@@ -138,6 +139,7 @@ PYBIND11_MODULE(tandem_native, m) {
     m.doc() = "Tandem's CPU MoE kernels (generic and AVX2 variants, chosen at import)";
     const char* forced = std::getenv("TANDEM_NATIVE_ISA");
     g_active = &select_kernels(forced ? forced : "");
+    register_doorbell(m);
 
     m.def("supported_isas", &supported_isas, "ISA variants this CPU runs, best last");
     m.def("active_isa", [] { return std::string(g_active->name); });
@@ -165,6 +167,14 @@ PYBIND11_MODULE(tandem_native, m) {
 
     m.def("pack_experts", &pack_experts, py::arg("w13"), py::arg("w2"), py::arg("fmt"), py::arg("group_size") = 32,
           py::arg("pool"), "float32 w13 [E, 2I, D] and w2 [E, D, I] -> a packed layer buffer (uint8)");
+    m.def(
+        "packed_bytes",
+        [](const std::string& fmt, int experts, int hidden, int intermediate, int group) {
+            const Format f = parse_format(fmt);
+            return layer_bytes(f, experts, hidden, intermediate, f == Format::BF16 ? 0 : group);
+        },
+        py::arg("fmt"), py::arg("experts"), py::arg("hidden"), py::arg("intermediate"), py::arg("group_size") = 32,
+        "Bytes of one packed layer buffer");
     m.def("moe_submit", &submit, py::arg("layer"), py::arg("x"), py::arg("ids"), py::arg("weights"), py::arg("out"),
           py::arg("pool"), py::arg("isa") = "", "Start a fused MoE layer call; returns a MoeJob");
     m.def(

@@ -24,9 +24,11 @@ class InvalidRequestError(TandemError):
 
 
 class ExpertBackendError(TandemError):
-    """An expert backend failed to compute a layer; carries the layer and the cause."""
+    """An expert backend failed to compute a layer; carries the layer, the cause, and a status code
+    name (a gRPC StatusCode name: INVALID_ARGUMENT, UNAVAILABLE, DEADLINE_EXCEEDED, INTERNAL)."""
 
-    def __init__(self, layer: int, cause: str):
-        super().__init__(f"expert backend failed at layer {layer}: {cause}")
+    def __init__(self, layer: int, cause: str, code: str = "INTERNAL"):
+        super().__init__(f"expert backend failed at layer {layer} ({code}): {cause}")
         self.layer = layer
         self.cause = cause
+        self.code = code

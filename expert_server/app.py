@@ -1,0 +1,69 @@
+"""Assembles an expert server from its config: memory check, server up, weights in, then SERVING."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from dataclasses import dataclass
+
+from expert_server import store
+from expert_server.config import ServerConfig
+from expert_server.executor import ExpertExecutor
+from expert_server.server import ExpertServicer, build_server, set_serving
+from services.common.checkpoint import Checkpoint
+from services.common.model_config import parse_model_config
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RunningServer:
+    server: object
+    servicer: ExpertServicer
+    port: int
+    experts: store.ExpertLayers
+
+    def stop(self, grace: float | None = None) -> None:
+        """Drains (finishes calls in hand), then stops the gRPC server."""
+        self.servicer.drain()
+        self.server.stop(grace).wait()
+
+
+def announce(cfg: ServerConfig, checkpoint: Checkpoint, model_cfg) -> list[int]:
+    """Prints what will be loaded and the memory it needs; refuses if the machine lacks it."""
+    layers = store.moe_layers(model_cfg, cfg.layers)
+    need = store.packed_bytes(model_cfg, cfg.format, cfg.group_size, layers)
+    source = f"store {cfg.store}" if cfg.store else f"checkpoint {checkpoint.dir}"
+    print(f"expert server: {len(layers)} MoE layers ({layers[0]}-{layers[-1]}) in {cfg.format} from {source}: "
+          f"needs {need / 2**30:.2f} GiB", file=sys.stderr, flush=True)
+    store.check_memory(need, store.available_memory())
+    return layers
+
+
+def load_experts(cfg: ServerConfig, checkpoint: Checkpoint, model_cfg, layers: list[int], pool) -> store.ExpertLayers:
+    if cfg.store:
+        return store.open_store(cfg.store, checkpoint, model_cfg, layers, cfg.format)
+    return store.pack_from_checkpoint(checkpoint, model_cfg, layers, cfg.format, cfg.group_size, pool)
+
+
+def start(cfg: ServerConfig) -> RunningServer:
+    """Validates the checkpoint and memory, starts listening (NOT_SERVING), loads, then serves."""
+    import tandem_native
+
+    checkpoint = Checkpoint(cfg.model)
+    model_cfg = parse_model_config(checkpoint.config)
+    pool = tandem_native.ThreadPool(cfg.threads)
+    servicer = ExpertServicer(cfg, checkpoint.config.get("model_type", model_cfg.family), model_cfg.moe.top_k)
+    layers = announce(cfg, checkpoint, model_cfg)
+    server, health_servicer, port = build_server(cfg, servicer)
+    try:
+        experts = load_experts(cfg, checkpoint, model_cfg, layers, pool)
+    except BaseException:
+        server.stop(None)
+        raise
+    executor = ExpertExecutor(experts.layers, pool, model_cfg.hidden_size, model_cfg.moe.num_experts,
+                              cfg.max_tokens, cfg.echo)
+    servicer.ready(executor, experts.nbytes)
+    set_serving(health_servicer, True)
+    log.info("expert server serving layers %s", sorted(experts.layers))
+    return RunningServer(server, servicer, port, experts)

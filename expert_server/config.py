@@ -1,0 +1,50 @@
+"""The expert server's one frozen configuration, built in __main__ from flags."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from services.common.errors import ConfigError
+from services.common.expert_weights import FORMATS
+
+
+def parse_layers(text: str | None) -> tuple[int, int] | None:
+    """'A-B' (inclusive) or a single 'A' into a range; None means every layer."""
+    if text is None:
+        return None
+    parts = text.split("-")
+    try:
+        lo, hi = (int(parts[0]), int(parts[-1])) if len(parts) in (1, 2) else (None, None)
+    except ValueError:
+        lo = hi = None
+    if lo is None or lo < 0 or hi < lo:
+        raise ConfigError(f"--layers: expected A-B with 0 <= A <= B, got {text!r}")
+    return lo, hi
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    model: Path
+    format: str = "int4"
+    layers: tuple[int, int] | None = None
+    threads: int = 1
+    listen: str = "127.0.0.1:50061"
+    store: Path | None = None
+    group_size: int = 32
+    max_tokens: int = 8192         # most tokens one call (and one shared-memory session) may carry
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    echo: bool = False             # return x unchanged instead of computing (transport benchmarks)
+    drain_s: float = 10.0          # how long SIGTERM waits for in-flight calls
+    spin_us: float = 50.0          # doorbell spin before sleeping
+
+    def __post_init__(self):
+        if self.format not in FORMATS:
+            raise ConfigError(f"--format: expected one of {', '.join(FORMATS)}, got {self.format!r}")
+        if self.threads < 1:
+            raise ConfigError(f"--threads: must be >= 1, got {self.threads}")
+        if self.max_tokens < 1:
+            raise ConfigError(f"--max-tokens: must be >= 1, got {self.max_tokens}")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ConfigError("--tls-cert and --tls-key go together")

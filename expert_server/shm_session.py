@@ -1,0 +1,84 @@
+"""The server side of a co-located session: a thread that answers doorbells in a mapped segment.
+
+The gRPC OpenSession stream supervises it: when the stream ends (the client closed it, died, or
+the server drains), the thread finishes the call in hand, stops, unmaps, and removes the segment's
+name if the client had not yet. T tokens, D hidden size, K experts per token.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import numpy as np
+
+from expert_server.executor import ExpertExecutor
+from services.common import shm_layout as shm
+from services.common.errors import InvalidRequestError
+
+log = logging.getLogger(__name__)
+
+OK, INVALID_ARGUMENT, INTERNAL = 0, 3, 13
+
+
+class ShmSession:
+    def __init__(self, segment: shm.Segment, executor: ExpertExecutor, max_tokens: int, spin_us: float):
+        import tandem_native
+
+        self._tn = tandem_native
+        self.segment, self.executor = segment, executor
+        self.max_tokens, self.spin_us = max_tokens, spin_us
+        self._stop = threading.Event()
+        self._seen = tandem_native.doorbell_load(segment.mm, shm.REQUEST_SEQ)
+        self._thread = threading.Thread(target=self._serve, name=f"shm-{segment.name}", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stops after the call in hand (if any), then unmaps and unlinks; safe to call twice."""
+        self._stop.set()
+        self._tn.doorbell_wake(self.segment.mm, shm.REQUEST_SEQ)
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join()
+        if not self.segment.mm.closed:
+            self.segment.unlink()
+            self.segment.close()
+
+    def _serve(self) -> None:
+        mm = self.segment.mm
+        while True:
+            seq = self._tn.doorbell_wait(mm, shm.REQUEST_SEQ, self._seen, self.spin_us, 0.5)
+            if seq != self._seen:  # a call published before a stop is still answered (drain)
+                self._seen = seq
+                self._answer()
+                self._tn.doorbell_ring(mm, shm.RESPONSE_SEQ, seq)
+            elif self._stop.is_set():
+                return
+
+    def _answer(self) -> None:
+        try:
+            self._compute(self.segment.read_request())
+            self.segment.write_response(OK)
+        except InvalidRequestError as exc:
+            self.segment.write_response(INVALID_ARGUMENT, str(exc))
+        except RuntimeError as exc:
+            log.exception("layer call failed")
+            self.segment.write_response(INTERNAL, str(exc))
+
+    def _compute(self, req: shm.Request) -> None:
+        if req.tokens > self.max_tokens:
+            raise InvalidRequestError(f"tokens: {req.tokens} is over the session's capacity of {self.max_tokens}")
+        self.executor.check(req.layer, req.tokens, req.hidden, req.top_k)
+        if req.x_dtype not in shm.X_DTYPES:
+            raise InvalidRequestError(f"x_dtype: unknown code {req.x_dtype}")
+        t, d, k, xdt = req.tokens, req.hidden, req.top_k, shm.X_DTYPES[req.x_dtype]
+        seg = self.segment
+        x = seg.array("x_offset", req.x_offset, xdt, (t, d))
+        ids = seg.array("ids_offset", req.ids_offset, np.dtype(np.int64), (t, k))
+        weights = seg.array("weights_offset", req.weights_offset, np.dtype(np.float32), (t, k))
+        out = seg.array("out_offset", req.out_offset, xdt, (t, d))
+        if xdt == np.float32:
+            self.executor.run(req.layer, x, ids, weights, out)
+        else:
+            out[...] = self.executor.compute(req.layer, x, ids, weights, bf16=True)

@@ -1,0 +1,164 @@
+"""Where the expert server's packed experts come from: the checkpoint (packed at load) or a store.
+
+A packed store is one file written by `convert`:
+    0     magic b"TNDSTORE", u32 version, u32 length of the JSON header that follows
+    16    JSON header: source fingerprint, model type, format, group size, and per layer its offset
+          and byte count
+    then  each layer's packed buffer (tandem_native's own layout, with its own header), 4 KiB aligned
+It is memory-mapped back read-only: the kernels read the pages in place, nothing is copied.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import mmap
+import os
+import struct
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from services.common.checkpoint import Checkpoint
+from services.common.errors import CheckpointError, ConfigError
+from services.common.expert_weights import pack_layer
+from services.common.model_config import ModelConfig
+
+STORE_MAGIC = b"TNDSTORE"
+STORE_VERSION = 1
+_PREFIX = struct.Struct("<8sII")
+_PAGE = 4096
+
+
+@dataclass
+class ExpertLayers:
+    """The packed layers a server holds: layer index -> tandem_native.MoeLayer."""
+
+    layers: dict
+    format: str
+    nbytes: int
+    keep: object = None  # the mapping behind the layers, when they come from a store
+
+
+def moe_layers(cfg: ModelConfig, layer_range: tuple[int, int] | None) -> list[int]:
+    lo, hi = layer_range if layer_range else (0, cfg.num_layers - 1)
+    if hi >= cfg.num_layers:
+        raise ConfigError(f"--layers: {lo}-{hi} goes past the model's {cfg.num_layers} layers")
+    layers = [i for i in range(lo, hi + 1) if cfg.is_moe(i)]
+    if not layers:
+        raise ConfigError(f"--layers: {lo}-{hi} holds no MoE layer")
+    return layers
+
+
+def packed_bytes(cfg: ModelConfig, fmt: str, group_size: int, layers: list[int]) -> int:
+    import tandem_native
+
+    m = cfg.moe
+    return len(layers) * tandem_native.packed_bytes(fmt, m.num_experts, cfg.hidden_size, m.intermediate_size, group_size)
+
+
+def available_memory() -> int:
+    """MemAvailable from /proc/meminfo, in bytes."""
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no MemAvailable in /proc/meminfo")
+
+
+def check_memory(need: int, available: int) -> None:
+    if need > available:
+        raise ConfigError(
+            f"the experts need {need / 2**30:.2f} GiB but only {available / 2**30:.2f} GiB of memory is available; "
+            "serve fewer layers (--layers) or pick a smaller --format"
+        )
+
+
+def fingerprint(checkpoint: Checkpoint) -> str:
+    """A digest of config.json and every safetensors file's name, size and header (not the data)."""
+    h = hashlib.sha256((checkpoint.dir / "config.json").read_bytes())
+    for path in sorted(checkpoint.dir.glob("*.safetensors")):
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            h.update(f"{path.name}:{path.stat().st_size}:".encode())
+            h.update(f.read(min(n, 100 << 20)))
+    return h.hexdigest()
+
+
+def pack_from_checkpoint(checkpoint: Checkpoint, cfg: ModelConfig, layers: list[int], fmt: str, group: int, pool):
+    """Quantizes and packs each layer on the pool's threads, with a progress bar on stderr."""
+    import tandem_native
+
+    packed = {}
+    for layer in tqdm(layers, desc=f"packing experts ({fmt})", unit="layer", file=sys.stderr):
+        packed[layer] = tandem_native.MoeLayer(pack_layer(checkpoint, cfg, layer, fmt, group, pool))
+    return ExpertLayers(packed, fmt, sum(layer.nbytes for layer in packed.values()))
+
+
+def convert(checkpoint: Checkpoint, cfg: ModelConfig, layers: list[int], fmt: str, group: int, pool, out: Path) -> None:
+    """Writes a packed store for these layers, one layer in memory at a time (atomically: a
+    temporary file, then a rename)."""
+    nbytes = packed_bytes(cfg, fmt, group, [0])
+    index = [{"layer": layer, "offset": i * -(-nbytes // _PAGE) * _PAGE, "nbytes": nbytes} for i, layer in enumerate(layers)]
+    header = json.dumps({
+        "source": fingerprint(checkpoint), "family": cfg.family, "format": fmt, "group_size": group,
+        "layers": index,
+    }).encode()
+    data_start = -(-(_PREFIX.size + len(header)) // _PAGE) * _PAGE
+    tmp = out.with_name(out.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(_PREFIX.pack(STORE_MAGIC, STORE_VERSION, len(header)) + header)
+        for entry in tqdm(index, desc=f"converting experts ({fmt})", unit="layer", file=sys.stderr):
+            buf = pack_layer(checkpoint, cfg, entry["layer"], fmt, group, pool)
+            f.seek(data_start + entry["offset"])
+            f.write(buf.data)
+        f.truncate(data_start + index[-1]["offset"] + nbytes)
+    os.replace(tmp, out)
+
+
+def _read_header(mm: mmap.mmap, path: Path) -> tuple[dict, int]:
+    if len(mm) < _PREFIX.size:
+        raise CheckpointError(f"{path}: too short to be a packed store")
+    magic, version, n = _PREFIX.unpack_from(mm, 0)
+    if magic != STORE_MAGIC or version != STORE_VERSION:
+        raise CheckpointError(f"{path}: not a version-{STORE_VERSION} packed store (magic {magic!r}, version {version})")
+    try:
+        header = json.loads(bytes(mm[_PREFIX.size:_PREFIX.size + n]))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{path}: corrupt store header: {exc}") from exc
+    return header, -(-(_PREFIX.size + n) // _PAGE) * _PAGE
+
+
+def open_store(path: Path, checkpoint: Checkpoint, cfg: ModelConfig, layers: list[int], fmt: str) -> ExpertLayers:
+    """Maps a packed store and checks it against the checkpoint, the format and the layers asked for."""
+    import tandem_native
+
+    try:
+        with open(path, "rb") as f:
+            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{path}: cannot map the packed store: {exc}") from exc
+    header, start = _read_header(mm, path)
+    if header["source"] != fingerprint(checkpoint):
+        raise CheckpointError(f"{path}: packed from a different checkpoint than {checkpoint.dir}")
+    if header["format"] != fmt:
+        raise ConfigError(f"--format {fmt} but the store {path} holds {header['format']}")
+    entries = {e["layer"]: e for e in header["layers"]}
+    missing = [layer for layer in layers if layer not in entries]
+    if missing:
+        raise ConfigError(f"{path}: the store lacks layers {missing}")
+    view = np.frombuffer(mm, dtype=np.uint8)
+    packed = {}
+    for layer in layers:
+        e = entries[layer]
+        lo = start + e["offset"]
+        if lo + e["nbytes"] > len(mm):
+            raise CheckpointError(f"{path}: layer {layer} runs past the end of the file (truncated?)")
+        try:
+            packed[layer] = tandem_native.MoeLayer(view[lo:lo + e["nbytes"]])
+        except ValueError as exc:
+            raise CheckpointError(f"{path}: layer {layer}: {exc}") from exc
+    return ExpertLayers(packed, fmt, sum(e["nbytes"] for e in entries.values() if e["layer"] in packed), keep=mm)

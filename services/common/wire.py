@@ -1,0 +1,45 @@
+"""Tensors on the expert wire: numpy arrays to and from the protos' Tensor, and bfloat16 bits.
+
+The wire carries x and out as float32 or bfloat16, ids as int64 and weights as float32, always
+row-major little-endian with the shape explicit. Decoding checks dtype, shape and byte count and
+raises InvalidRequestError naming the field.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from services.common.errors import InvalidRequestError
+from tandem.v1 import expert_pb2 as pb
+
+NUMPY_OF = {pb.FLOAT32: np.dtype("<f4"), pb.BFLOAT16: np.dtype("<u2"), pb.INT64: np.dtype("<i8")}
+
+
+def bf16_bits_to_f32(bits: np.ndarray) -> np.ndarray:
+    """bfloat16 bit patterns (uint16) to float32, exactly."""
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def f32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
+    """float32 to bfloat16 bit patterns, rounding to nearest even (as torch does)."""
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    rounded = (u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
+    return np.where(np.isnan(x), np.uint32(0x7FC0), rounded).astype(np.uint16)
+
+
+def encode(array: np.ndarray, dtype: int) -> pb.Tensor:
+    return pb.Tensor(dtype=dtype, shape=list(array.shape), data=np.ascontiguousarray(array).tobytes())
+
+
+def decode(field: str, tensor: pb.Tensor, allowed: tuple[int, ...], rank: int) -> np.ndarray:
+    """The tensor as a read-only numpy array of its wire dtype, after checking it."""
+    if tensor.dtype not in allowed:
+        names = ", ".join(pb.DType.Name(d) for d in allowed)
+        raise InvalidRequestError(f"{field}.dtype: expected {names}, got {pb.DType.Name(tensor.dtype)}")
+    shape = tuple(tensor.shape)
+    if len(shape) != rank or any(n < 0 for n in shape):
+        raise InvalidRequestError(f"{field}.shape: expected {rank} non-negative dims, got {list(shape)}")
+    dtype = NUMPY_OF[tensor.dtype]
+    if len(tensor.data) != int(np.prod(shape)) * dtype.itemsize:
+        raise InvalidRequestError(f"{field}.data: {len(tensor.data)} bytes do not hold a {list(shape)} tensor")
+    return np.frombuffer(tensor.data, dtype=dtype).reshape(shape)

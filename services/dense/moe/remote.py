@@ -1,0 +1,140 @@
+"""The remote expert backend: one or more expert servers, each owning a range of MoE layers.
+
+Each layer goes to its owner over shared memory (same host) or inline gRPC (any host). A server
+that went away fails the call in hand with UNAVAILABLE; the next call reconnects.
+T tokens, D hidden size, K experts per token.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import torch
+
+from services.common import shm_layout as shm
+from services.common.errors import ConfigError, ExpertBackendError
+from services.common.model_config import ModelConfig
+from services.dense.moe.experts import ExpertBackend
+from services.dense.moe.transport import InlineTransport, ShmTransport, rpc_error
+from tandem.v1 import expert_pb2 as pb
+from tandem.v1 import expert_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+TRANSPORTS = ("auto", "shm", "grpc")
+
+
+@dataclass(frozen=True)
+class RemoteConfig:
+    addresses: tuple[str, ...]
+    transport: str = "auto"        # auto: shared memory when the server is on this host
+    timeout_s: float = 120.0       # per layer call
+    connect_timeout_s: float = 30.0
+    tls_root: Path | None = None   # trust root (PEM) for servers that use TLS
+    max_tokens: int = 4096         # shared-memory session capacity (tokens per call)
+    spin_us: float = 50.0
+
+    def __post_init__(self):
+        if not self.addresses:
+            raise ConfigError("--expert-servers: at least one address is needed")
+        if self.transport not in TRANSPORTS:
+            raise ConfigError(f"--transport: expected one of {', '.join(TRANSPORTS)}, got {self.transport!r}")
+
+
+class ExpertServerClient:
+    """One expert server: its info, and a transport (re)opened on demand."""
+
+    def __init__(self, address: str, rc: RemoteConfig):
+        self.address, self.rc = address, rc
+        if rc.tls_root is not None:
+            self.channel = grpc.secure_channel(address, grpc.ssl_channel_credentials(rc.tls_root.read_bytes()))
+        else:
+            self.channel = grpc.insecure_channel(address)
+        self.stub = pb_grpc.ExpertServiceStub(self.channel)
+        try:
+            self.info = self.stub.GetInfo(pb.GetInfoRequest(), timeout=rc.connect_timeout_s, wait_for_ready=True)
+        except grpc.RpcError as exc:
+            raise ConfigError(f"expert server {address}: {exc.details() or exc.code().name}") from exc
+        self.use_shm = rc.transport == "shm" or (rc.transport == "auto" and self.info.host_id == shm.host_id())
+        self.capacity = min(rc.max_tokens, self.info.max_tokens)
+        self._transport = None
+        self._lock = threading.Lock()
+
+    def transport(self, layer: int):
+        if self._transport is not None and not self._transport.dead.is_set():
+            return self._transport
+        if self._transport is not None:
+            self._transport.close()
+            self._transport = None
+        self._transport = self._open(layer)
+        return self._transport
+
+    def _open(self, layer: int):
+        if not self.use_shm:
+            return InlineTransport(self.stub, self.rc.timeout_s)
+        try:
+            return ShmTransport(self.stub, self.info.hidden_size, self.info.top_k, self.capacity,
+                                self.rc.spin_us, self.rc.connect_timeout_s)
+        except ExpertBackendError as exc:
+            if self.rc.transport == "shm" or exc.code == "UNAVAILABLE":
+                raise ExpertBackendError(layer, exc.cause, exc.code) from exc
+            log.warning("expert server %s: shared memory refused (%s); using inline gRPC", self.address, exc.cause)
+            self.use_shm = False
+            return InlineTransport(self.stub, self.rc.timeout_s)
+
+    def close(self) -> None:
+        if self._transport is not None:
+            self._transport.close()
+        self.channel.close()
+
+
+class RemoteExperts(ExpertBackend):
+    def __init__(self, cfg: ModelConfig, rc: RemoteConfig):
+        self.cfg = cfg
+        self.servers = [ExpertServerClient(address, rc) for address in rc.addresses]
+        self.owner: dict[int, ExpertServerClient] = {}
+        for server in self.servers:
+            self._check(server)
+            for layer in server.info.layers:
+                if layer in self.owner:
+                    raise ConfigError(f"layer {layer} is served by both {self.owner[layer].address} and {server.address}")
+                self.owner[layer] = server
+        missing = [i for i in range(cfg.num_layers) if cfg.is_moe(i) and i not in self.owner]
+        if missing:
+            raise ConfigError(f"no expert server owns MoE layers {missing}")
+
+    def _check(self, server: ExpertServerClient) -> None:
+        info, cfg = server.info, self.cfg
+        if (info.hidden_size, info.num_experts) != (cfg.hidden_size, cfg.moe.num_experts):
+            raise ConfigError(
+                f"expert server {server.address} serves hidden {info.hidden_size} x {info.num_experts} experts, "
+                f"the model has hidden {cfg.hidden_size} x {cfg.moe.num_experts} experts"
+            )
+
+    def submit(self, layer, x, ids, weights):
+        server = self.owner.get(layer)
+        if server is None:
+            raise ExpertBackendError(layer, "no expert server owns this layer", "INVALID_ARGUMENT")
+        if x.shape[0] > server.capacity:  # over a call's capacity: run it in pieces, one after the other
+            parts = [self.forward(layer, *chunk) for chunk in zip(*(
+                t.split(server.capacity) for t in (x, ids, weights)))]
+            return None, torch.cat(parts)
+        with server._lock:
+            transport = server.transport(layer)
+            try:
+                return transport, transport.submit(layer, x, ids, weights)
+            except grpc.RpcError as exc:
+                raise rpc_error(layer, exc) from exc
+
+    def wait(self, handle):
+        transport, inner = handle
+        if transport is None:
+            return inner
+        return transport.wait(inner)
+
+    def close(self) -> None:
+        for server in self.servers:
+            server.close()

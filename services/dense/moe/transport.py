@@ -1,0 +1,199 @@
+"""The two data planes from the dense side to one expert server, behind one submit/wait shape.
+
+- ShmTransport: co-located. A segment this process creates; gRPC OpenSession hands its name to
+  the server and then stays open as the liveness signal. Per call: copy in, publish, doorbell;
+  wait on the response doorbell. The name is unlinked as soon as the server has mapped it, so a
+  crash of either side leaves nothing in /dev/shm.
+- InlineTransport: any host. A long-lived Compute stream, tensors inline, answered in order.
+Both raise ExpertBackendError with a gRPC status name; a transport that failed is closed and the
+owner opens a new one on the next call. T tokens, D hidden size, K experts per token.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+
+import grpc
+import numpy as np
+import torch
+
+from services.common import shm_layout as shm
+from services.common import wire
+from services.common.errors import ExpertBackendError
+from tandem.v1 import expert_pb2 as pb
+
+_STATUS = {0: "OK", 3: "INVALID_ARGUMENT", 13: "INTERNAL"}
+
+
+def to_wire(x: torch.Tensor) -> tuple[np.ndarray, int]:
+    """x [T, D] as numpy float32, or bfloat16 bits when x is bfloat16 (half the bytes, exact)."""
+    x = x.detach().to("cpu")
+    if x.dtype == torch.bfloat16:
+        return x.contiguous().view(torch.int16).numpy().view(np.uint16), pb.BFLOAT16
+    return x.to(torch.float32).contiguous().numpy(), pb.FLOAT32
+
+
+def from_wire(out: np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    if out.dtype == np.uint16:
+        return torch.from_numpy(out.view(np.int16)).view(torch.bfloat16).to(device=device, dtype=dtype)
+    return torch.from_numpy(out).to(device=device, dtype=dtype)
+
+
+def rpc_error(layer: int, exc: grpc.RpcError) -> ExpertBackendError:
+    code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
+    details = exc.details() if hasattr(exc, "details") else str(exc)
+    return ExpertBackendError(layer, details or code.name, "UNAVAILABLE" if code == grpc.StatusCode.UNKNOWN else code.name)
+
+
+class ShmTransport:
+    def __init__(self, stub, hidden: int, top_k: int, max_tokens: int, spin_us: float, timeout_s: float):
+        import tandem_native
+
+        self._tn = tandem_native
+        self.hidden, self.top_k, self.max_tokens = hidden, top_k, max_tokens
+        self.spin_us, self.timeout_s = spin_us, timeout_s
+        self.slots = shm.Slots.plan(max_tokens, hidden, top_k)
+        self.segment = shm.Segment.create(self.slots.end, max_tokens)
+        self.dead = threading.Event()
+        self._ready = threading.Event()
+        self._closing = threading.Event()
+        self._failure: grpc.RpcError | None = None
+        self._seq = 0
+        self._call = stub.OpenSession(self._requests())
+        threading.Thread(target=self._watch, name="shm-session", daemon=True).start()
+        try:
+            self._handshake()
+        except BaseException:
+            self.close()
+            raise
+
+    def _requests(self):
+        yield pb.SessionRequest(open=pb.SessionOpen(
+            segment_name=self.segment.name, byte_size=self.segment.size,
+            layout_version=shm.LAYOUT_VERSION, max_tokens=self.max_tokens,
+        ))
+        self._closing.wait()
+
+    def _watch(self) -> None:
+        """Reads the session stream: its first message is the handshake; its end is the server's."""
+        try:
+            for _ in self._call:
+                self._ready.set()
+        except grpc.RpcError as exc:
+            self._failure = exc
+        finally:
+            self.dead.set()
+            self._ready.set()
+            try:
+                self._tn.doorbell_wake(self.segment.mm, shm.RESPONSE_SEQ)
+            except (ValueError, BufferError):
+                pass  # already closed: nobody is waiting
+
+    def _handshake(self) -> None:
+        if not self._ready.wait(self.timeout_s) or self.dead.is_set():
+            self._call.cancel()
+            if self._failure is not None:
+                raise rpc_error(-1, self._failure)
+            raise ExpertBackendError(-1, "the shared-memory session was not opened", "UNAVAILABLE")
+        self.segment.unlink()  # mapped on both sides now: the name is no longer needed
+
+    def submit(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor):
+        if self.dead.is_set():
+            raise ExpertBackendError(layer, "the expert server's session ended", "UNAVAILABLE")
+        xs, code = to_wire(x)
+        t, d = xs.shape
+        k = ids.shape[1]
+        seg, s = self.segment, self.slots
+        np.copyto(seg.array("x", s.x, xs.dtype, (t, d)), xs)
+        np.copyto(seg.array("ids", s.ids, np.dtype(np.int64), (t, k)), ids.detach().to("cpu", torch.int64).numpy())
+        np.copyto(seg.array("weights", s.weights, np.dtype(np.float32), (t, k)),
+                  weights.detach().to("cpu", torch.float32).numpy())
+        seg.write_request(shm.Request(layer, t, d, k, code, s.x, s.ids, s.weights, s.out))
+        self._seq = (self._seq + 1) & 0xFFFFFFFF
+        self._tn.doorbell_ring(seg.mm, shm.REQUEST_SEQ, self._seq)
+        return layer, self._seq, xs.dtype, (t, d), x.dtype, x.device
+
+    def wait(self, handle) -> torch.Tensor:
+        layer, seq, xdt, shape, dtype, device = handle
+        self._await(layer, seq)
+        status, message = self.segment.read_response()
+        if status:
+            raise ExpertBackendError(layer, message, _STATUS.get(status, "INTERNAL"))
+        return from_wire(self.segment.array("out", self.slots.out, xdt, shape).copy(), dtype, device)
+
+    def _await(self, layer: int, seq: int) -> None:
+        deadline = time.monotonic() + self.timeout_s
+        previous = (seq - 1) & 0xFFFFFFFF
+        while True:
+            left = deadline - time.monotonic()
+            value = self._tn.doorbell_wait(self.segment.mm, shm.RESPONSE_SEQ, previous, self.spin_us,
+                                           max(0.0, min(left, 0.25)))
+            if value == seq:
+                return
+            if self.dead.is_set():
+                raise ExpertBackendError(layer, "the expert server went away mid-call", "UNAVAILABLE")
+            if left <= 0:
+                self.dead.set()  # the server may still answer later: this session cannot be reused
+                raise ExpertBackendError(layer, f"no answer within {self.timeout_s:g} s", "DEADLINE_EXCEEDED")
+
+    def close(self) -> None:
+        self._closing.set()
+        self._call.cancel()
+        self.dead.set()
+        self.segment.close()
+
+
+class InlineTransport:
+    def __init__(self, stub, timeout_s: float):
+        self.timeout_s = timeout_s
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._call = stub.Compute(iter(self._queue.get, None))
+        self._deadline: float | None = None
+        self._timed_out = False
+        self.dead = threading.Event()
+        threading.Thread(target=self._watchdog, name="inline-watchdog", daemon=True).start()
+
+    def _watchdog(self) -> None:
+        """Cancels the stream when a call outlives its deadline (a stream has no per-message one)."""
+        while not self.dead.wait(0.05):
+            deadline = self._deadline
+            if deadline is not None and time.monotonic() > deadline:
+                self._timed_out = True
+                self._call.cancel()
+                return
+
+    def submit(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor):
+        if self.dead.is_set():
+            raise ExpertBackendError(layer, "the stream to the expert server ended", "UNAVAILABLE")
+        xs, code = to_wire(x)
+        self._queue.put(pb.ComputeRequest(
+            layer=layer, x=wire.encode(xs, code),
+            ids=wire.encode(ids.detach().to("cpu", torch.int64).numpy(), pb.INT64),
+            weights=wire.encode(weights.detach().to("cpu", torch.float32).numpy(), pb.FLOAT32),
+        ))
+        self._deadline = time.monotonic() + self.timeout_s
+        return layer, x.dtype, x.device
+
+    def wait(self, handle) -> torch.Tensor:
+        layer, dtype, device = handle
+        try:
+            response = next(self._call)
+        except grpc.RpcError as exc:
+            self.dead.set()
+            if self._timed_out:
+                raise ExpertBackendError(layer, f"no answer within {self.timeout_s:g} s", "DEADLINE_EXCEEDED") from exc
+            raise rpc_error(layer, exc) from exc
+        except StopIteration as exc:
+            self.dead.set()
+            raise ExpertBackendError(layer, "the expert server ended the stream", "UNAVAILABLE") from exc
+        finally:
+            self._deadline = None
+        out = wire.decode("out", response.out, (pb.FLOAT32, pb.BFLOAT16), 2)
+        return from_wire(out.copy(), dtype, device)
+
+    def close(self) -> None:
+        self.dead.set()
+        self._queue.put(None)
+        self._call.cancel()

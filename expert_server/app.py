@@ -42,7 +42,7 @@ def announce(cfg: ServerConfig, checkpoint: Checkpoint, model_cfg) -> list[int]:
 
 def load_experts(cfg: ServerConfig, checkpoint: Checkpoint, model_cfg, layers: list[int], pool) -> store.ExpertLayers:
     if cfg.store:
-        return store.open_store(cfg.store, checkpoint, model_cfg, layers, cfg.format)
+        return store.open_store(cfg.store, checkpoint, model_cfg, layers, cfg.format, cfg.group_size)
     return store.pack_from_checkpoint(checkpoint, model_cfg, layers, cfg.format, cfg.group_size, pool)
 
 

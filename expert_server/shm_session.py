@@ -29,6 +29,7 @@ class ShmSession:
         self.segment, self.executor = segment, executor
         self.max_tokens, self.spin_us = max_tokens, spin_us
         self._stop = threading.Event()
+        self._stopping = threading.Lock()
         self._seen = tandem_native.doorbell_load(segment.mm, shm.REQUEST_SEQ)
         self._thread = threading.Thread(target=self._serve, name=f"shm-{segment.name}", daemon=True)
 
@@ -37,11 +38,13 @@ class ShmSession:
 
     def stop(self) -> None:
         """Stops after the call in hand (if any), then unmaps and unlinks; safe to call twice."""
-        self._stop.set()
-        self._tn.doorbell_wake(self.segment.mm, shm.REQUEST_SEQ)
-        if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join()
-        if not self.segment.mm.closed:
+        with self._stopping:  # the RPC's end callback and its handler may both get here
+            if self.segment.mm.closed:
+                return
+            self._stop.set()
+            self._tn.doorbell_wake(self.segment.mm, shm.REQUEST_SEQ)
+            if self._thread.is_alive() and self._thread is not threading.current_thread():
+                self._thread.join()
             self.segment.unlink()
             self.segment.close()
 

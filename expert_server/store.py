@@ -119,7 +119,7 @@ def convert(checkpoint: Checkpoint, cfg: ModelConfig, layers: list[int], fmt: st
     os.replace(tmp, out)
 
 
-def _read_header(mm: mmap.mmap, path: Path) -> tuple[dict, int]:
+def read_header(mm: mmap.mmap, path: Path) -> tuple[dict, int]:
     if len(mm) < _PREFIX.size:
         raise CheckpointError(f"{path}: too short to be a packed store")
     magic, version, n = _PREFIX.unpack_from(mm, 0)
@@ -132,7 +132,8 @@ def _read_header(mm: mmap.mmap, path: Path) -> tuple[dict, int]:
     return header, -(-(_PREFIX.size + n) // _PAGE) * _PAGE
 
 
-def open_store(path: Path, checkpoint: Checkpoint, cfg: ModelConfig, layers: list[int], fmt: str) -> ExpertLayers:
+def open_store(path: Path, checkpoint: Checkpoint, cfg: ModelConfig, layers: list[int], fmt: str,
+               group_size: int | None = None) -> ExpertLayers:
     """Maps a packed store and checks it against the checkpoint, the format and the layers asked for."""
     import tandem_native
 
@@ -141,11 +142,13 @@ def open_store(path: Path, checkpoint: Checkpoint, cfg: ModelConfig, layers: lis
             mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"{path}: cannot map the packed store: {exc}") from exc
-    header, start = _read_header(mm, path)
+    header, start = read_header(mm, path)
     if header["source"] != fingerprint(checkpoint):
         raise CheckpointError(f"{path}: packed from a different checkpoint than {checkpoint.dir}")
     if header["format"] != fmt:
         raise ConfigError(f"--format {fmt} but the store {path} holds {header['format']}")
+    if group_size is not None and fmt != "bf16" and header["group_size"] != group_size:
+        raise ConfigError(f"--group-size {group_size} but the store {path} was packed with {header['group_size']}")
     entries = {e["layer"]: e for e in header["layers"]}
     missing = [layer for layer in layers if layer not in entries]
     if missing:

@@ -26,3 +26,14 @@ def prompt_ids(family_checkpoint):
 
 def load_fp32(path, experts=None):
     return load_model(path, DenseRuntime(dtype="float32", device="cpu"), experts)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_shared_memory_left_behind():
+    """After the whole run, no tandem segment may remain in /dev/shm."""
+    from services.common.shm_layout import leftover_segments
+
+    before = set(leftover_segments())
+    yield
+    left = set(leftover_segments()) - before
+    assert not left, f"shared-memory segments left behind: {sorted(left)}"

@@ -25,6 +25,12 @@ from tandem.v1 import expert_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 TRANSPORTS = ("auto", "shm", "grpc")
+# a restarted server is found again within about a second, not after gRPC's default backoff of minutes
+CHANNEL_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+    ("grpc.max_receive_message_length", 256 << 20), ("grpc.max_send_message_length", 256 << 20),
+]
 
 
 @dataclass(frozen=True)
@@ -50,9 +56,10 @@ class ExpertServerClient:
     def __init__(self, address: str, rc: RemoteConfig):
         self.address, self.rc = address, rc
         if rc.tls_root is not None:
-            self.channel = grpc.secure_channel(address, grpc.ssl_channel_credentials(rc.tls_root.read_bytes()))
+            creds = grpc.ssl_channel_credentials(rc.tls_root.read_bytes())
+            self.channel = grpc.secure_channel(address, creds, options=CHANNEL_OPTIONS)
         else:
-            self.channel = grpc.insecure_channel(address)
+            self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
         self.stub = pb_grpc.ExpertServiceStub(self.channel)
         try:
             self.info = self.stub.GetInfo(pb.GetInfoRequest(), timeout=rc.connect_timeout_s, wait_for_ready=True)
@@ -77,7 +84,7 @@ class ExpertServerClient:
             return InlineTransport(self.stub, self.rc.timeout_s)
         try:
             return ShmTransport(self.stub, self.info.hidden_size, self.info.top_k, self.capacity,
-                                self.rc.spin_us, self.rc.connect_timeout_s)
+                                self.rc.spin_us, self.rc.timeout_s, self.rc.connect_timeout_s)
         except ExpertBackendError as exc:
             if self.rc.transport == "shm" or exc.code == "UNAVAILABLE":
                 raise ExpertBackendError(layer, exc.cause, exc.code) from exc

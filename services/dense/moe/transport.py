@@ -48,7 +48,8 @@ def rpc_error(layer: int, exc: grpc.RpcError) -> ExpertBackendError:
 
 
 class ShmTransport:
-    def __init__(self, stub, hidden: int, top_k: int, max_tokens: int, spin_us: float, timeout_s: float):
+    def __init__(self, stub, hidden: int, top_k: int, max_tokens: int, spin_us: float, timeout_s: float,
+                 connect_timeout_s: float = 30.0):
         import tandem_native
 
         self._tn = tandem_native
@@ -64,7 +65,7 @@ class ShmTransport:
         self._call = stub.OpenSession(self._requests())
         threading.Thread(target=self._watch, name="shm-session", daemon=True).start()
         try:
-            self._handshake()
+            self._handshake(connect_timeout_s)
         except BaseException:
             self.close()
             raise
@@ -91,8 +92,8 @@ class ShmTransport:
             except (ValueError, BufferError):
                 pass  # already closed: nobody is waiting
 
-    def _handshake(self) -> None:
-        if not self._ready.wait(self.timeout_s) or self.dead.is_set():
+    def _handshake(self, timeout_s: float) -> None:
+        if not self._ready.wait(timeout_s) or self.dead.is_set():
             self._call.cancel()
             if self._failure is not None:
                 raise rpc_error(-1, self._failure)
@@ -110,17 +111,26 @@ class ShmTransport:
         np.copyto(seg.array("ids", s.ids, np.dtype(np.int64), (t, k)), ids.detach().to("cpu", torch.int64).numpy())
         np.copyto(seg.array("weights", s.weights, np.dtype(np.float32), (t, k)),
                   weights.detach().to("cpu", torch.float32).numpy())
-        seg.write_request(shm.Request(layer, t, d, k, code, s.x, s.ids, s.weights, s.out))
-        self._seq = (self._seq + 1) & 0xFFFFFFFF
-        self._tn.doorbell_ring(seg.mm, shm.REQUEST_SEQ, self._seq)
-        return layer, self._seq, xs.dtype, (t, d), x.dtype, x.device
+        seq = self.publish(shm.Request(layer, t, d, k, code, s.x, s.ids, s.weights, s.out))
+        return layer, seq, xs.dtype, (t, d), x.dtype, x.device
 
-    def wait(self, handle) -> torch.Tensor:
-        layer, seq, xdt, shape, dtype, device = handle
+    def publish(self, request: shm.Request) -> int:
+        """Writes a descriptor (its data already in place) and rings; returns its sequence number."""
+        self.segment.write_request(request)
+        self._seq = (self._seq + 1) & 0xFFFFFFFF
+        self._tn.doorbell_ring(self.segment.mm, shm.REQUEST_SEQ, self._seq)
+        return self._seq
+
+    def check(self, layer: int, seq: int) -> None:
+        """Waits for the answer to call seq; raises the server's error status, if any."""
         self._await(layer, seq)
         status, message = self.segment.read_response()
         if status:
             raise ExpertBackendError(layer, message, _STATUS.get(status, "INTERNAL"))
+
+    def wait(self, handle) -> torch.Tensor:
+        layer, seq, xdt, shape, dtype, device = handle
+        self.check(layer, seq)
         return from_wire(self.segment.array("out", self.slots.out, xdt, shape).copy(), dtype, device)
 
     def _await(self, layer: int, seq: int) -> None:

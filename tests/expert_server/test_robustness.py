@@ -1,0 +1,280 @@
+"""Bad calls get INVALID_ARGUMENT naming the field and the server keeps serving; dead peers,
+deadlines and SIGTERM end calls with the right status, never a hang; nothing stays in /dev/shm.
+T tokens, D hidden size, K experts per token.
+"""
+
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import grpc
+import numpy as np
+import pytest
+import torch
+
+from services.common import shm_layout as shm
+from services.common.errors import ExpertBackendError
+from services.dense.loader import open_checkpoint
+from services.dense.moe.remote import RemoteConfig, RemoteExperts
+from services.dense.moe.transport import InlineTransport, ShmTransport
+from tandem.v1 import expert_pb2 as pb
+from tandem.v1 import expert_pb2_grpc as pb_grpc
+from tests.checkpoints import checkpoint
+from tests.expert_server.servers import ROOT, Spawned, in_process
+
+pytest.importorskip("tandem_native")
+pytestmark = pytest.mark.native
+
+CAPACITY = 16
+
+
+@pytest.fixture(scope="module")
+def model():
+    path = checkpoint("deepseek_v3")
+    _, cfg = open_checkpoint(path)
+    layer = next(i for i in range(cfg.num_layers) if cfg.is_moe(i))
+    return path, cfg, layer
+
+
+@pytest.fixture(scope="module")
+def server(model):
+    with in_process(model[0], "int8", max_tokens=CAPACITY) as running:
+        yield running
+
+
+@pytest.fixture
+def stub(server):
+    channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
+    yield pb_grpc.ExpertServiceStub(channel)
+    channel.close()
+
+
+def inputs(cfg, tokens, seed=0):
+    """x [T, D], ids [T, K], weights [T, K] of a valid call."""
+    g = torch.Generator().manual_seed(seed)
+    k = cfg.moe.top_k
+    ids = torch.stack([torch.randperm(cfg.moe.num_experts, generator=g)[:k] for _ in range(tokens)])
+    return torch.randn(tokens, cfg.hidden_size, generator=g), ids, torch.rand(tokens, k, generator=g)
+
+
+def shm_transport(stub, cfg, timeout_s=30.0):
+    return ShmTransport(stub, cfg.hidden_size, cfg.moe.top_k, CAPACITY, 50.0, timeout_s)
+
+
+def expect_invalid(call, field):
+    with pytest.raises(ExpertBackendError) as info:
+        call()
+    assert info.value.code == "INVALID_ARGUMENT", info.value
+    assert field in info.value.cause, info.value.cause
+
+
+def valid_request(t: ShmTransport, cfg, moe_layer, **change) -> shm.Request:
+    """A descriptor for a 2-token call whose data is already in the slots, with some fields changed."""
+    x, ids, w = inputs(cfg, 2)
+    s = t.slots
+    t.segment.array("x", s.x, np.dtype(np.float32), (2, cfg.hidden_size))[...] = x.numpy()
+    t.segment.array("ids", s.ids, np.dtype(np.int64), (2, cfg.moe.top_k))[...] = ids.numpy()
+    t.segment.array("w", s.weights, np.dtype(np.float32), (2, cfg.moe.top_k))[...] = w.numpy()
+    fields = dict(layer=moe_layer, tokens=2, hidden=cfg.hidden_size, top_k=cfg.moe.top_k, x_dtype=1,
+                  x_offset=s.x, ids_offset=s.ids, weights_offset=s.weights, out_offset=s.out)
+    fields.update(change)
+    return shm.Request(**fields)
+
+
+@pytest.mark.parametrize("change, field", [
+    ({"x_offset": 1 << 40}, "x_offset"),
+    ({"ids_offset": 8}, "ids_offset"),            # inside the header
+    ({"weights_offset": shm.HEADER_BYTES + 2}, "weights_offset"),  # misaligned
+    ({"out_offset": -1 & (2**64 - 1)}, "out_offset"),
+    ({"layer": 0}, "layer"),                      # a dense layer: no experts here
+    ({"layer": 99}, "layer"),
+    ({"hidden": 96}, "hidden"),
+    ({"tokens": CAPACITY + 1}, "tokens"),
+    ({"top_k": 0}, "top_k"),
+    ({"x_dtype": 7}, "x_dtype"),
+])
+def test_bad_shm_descriptor_is_invalid_argument_and_the_session_keeps_serving(stub, model, change, field):
+    _, cfg, layer = model
+    t = shm_transport(stub, cfg)
+    try:
+        seq = t.publish(valid_request(t, cfg, layer, **change))
+        expect_invalid(lambda: t.check(layer, seq), field)
+        x, ids, w = inputs(cfg, 3, seed=1)
+        good = t.wait(t.submit(layer, x, ids, w))
+        again = t.wait(t.submit(layer, x, ids, w))
+        assert torch.isfinite(good).all() and torch.equal(good, again)
+    finally:
+        t.close()
+
+
+def test_expert_id_out_of_range_is_invalid_argument(stub, model):
+    _, cfg, layer = model
+    x, ids, w = inputs(cfg, 2)
+    ids[1, 0] = cfg.moe.num_experts
+    for t in (shm_transport(stub, cfg), InlineTransport(stub, 30.0)):
+        expect_invalid(lambda: t.wait(t.submit(layer, x, ids, w)), "ids")
+        t.close()
+
+
+@pytest.mark.parametrize("case, field", [("layer", "layer"), ("hidden", "hidden"), ("tokens", "tokens"),
+                                         ("ids_dtype", "ids.dtype"), ("shape", "weights")])
+def test_bad_inline_call_is_invalid_argument_and_the_server_keeps_serving(stub, model, case, field):
+    _, cfg, layer = model
+    x, ids, w = inputs(cfg, CAPACITY + 1 if case == "tokens" else 2)
+    if case == "hidden":
+        x = torch.randn(2, cfg.hidden_size + 32)
+    bad_layer = 0 if case == "layer" else layer
+    t = InlineTransport(stub, 30.0)
+    if case == "ids_dtype":
+        t._queue.put(pb.ComputeRequest(layer=layer, x=pb.Tensor(dtype=pb.FLOAT32, shape=list(x.shape),
+                                                                data=x.numpy().tobytes()),
+                                       ids=pb.Tensor(dtype=pb.FLOAT32, shape=list(ids.shape),
+                                                     data=ids.float().numpy().tobytes())))
+        handle = (layer, torch.float32, torch.device("cpu"))
+    else:
+        handle = t.submit(bad_layer, x, ids, w[:, :1] if case == "shape" else w)
+    expect_invalid(lambda: t.wait(handle), field)
+    t.close()
+    fresh = InlineTransport(stub, 30.0)
+    x, ids, w = inputs(cfg, 2)
+    assert torch.isfinite(fresh.wait(fresh.submit(layer, x, ids, w))).all()
+    fresh.close()
+
+
+@pytest.mark.parametrize("change, field", [
+    ({"segment_name": "../../etc/passwd"}, "segment_name"),
+    ({"segment_name": "tandem-does-not-exist"}, "segment_name"),
+    ({"layout_version": 99}, "layout_version"),
+    ({"max_tokens": 10**6}, "max_tokens"),
+])
+def test_bad_session_open_is_invalid_argument(stub, change, field):
+    segment = shm.Segment.create(shm.HEADER_BYTES + 4096, 4)
+    try:
+        fields = dict(segment_name=segment.name, byte_size=segment.size, layout_version=shm.LAYOUT_VERSION,
+                      max_tokens=4)
+        fields.update(change)
+        call = stub.OpenSession(iter([pb.SessionRequest(open=pb.SessionOpen(**fields))]), timeout=10)
+        with pytest.raises(grpc.RpcError) as info:
+            next(call)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert field in info.value.details()
+    finally:
+        segment.close()
+
+
+def wait_until(predicate, timeout=10.0):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+CLIENT = textwrap.dedent("""
+    import sys, threading, grpc
+    from services.common import shm_layout as shm
+    from tandem.v1 import expert_pb2 as pb, expert_pb2_grpc as pb_grpc
+    segment = shm.Segment.create(shm.HEADER_BYTES + 4096, 4)
+    stub = pb_grpc.ExpertServiceStub(grpc.insecure_channel(sys.argv[1]))
+    def requests():
+        yield pb.SessionRequest(open=pb.SessionOpen(segment_name=segment.name, byte_size=segment.size,
+                                                    layout_version=shm.LAYOUT_VERSION, max_tokens=4))
+        threading.Event().wait()
+    call = stub.OpenSession(requests())
+    next(call)
+    print(segment.name, flush=True)
+    threading.Event().wait()
+""")
+
+
+def test_a_client_that_dies_leaves_no_segment_and_no_session(server):
+    """The client is killed before it unlinked its segment: the server notices and removes it."""
+    before = server.servicer.session_count
+    child = subprocess.Popen([sys.executable, "-c", CLIENT, f"127.0.0.1:{server.port}"], cwd=ROOT,
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        name = child.stdout.readline().strip()
+        assert name in shm.leftover_segments()
+        assert server.servicer.session_count == before + 1
+    finally:
+        child.kill()
+        child.wait()
+    assert wait_until(lambda: name not in shm.leftover_segments() and server.servicer.session_count == before)
+
+
+@pytest.fixture
+def spawned(model):
+    with Spawned(model[0], "int8") as s:
+        yield s
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("transport", ["shm", "grpc"])
+def test_a_killed_server_fails_the_call_in_flight_with_unavailable_then_the_client_reconnects(
+        model, spawned, transport):
+    path, cfg, layer = model
+    remote = RemoteExperts(cfg, RemoteConfig(addresses=(spawned.address,), transport=transport, timeout_s=20))
+    x, ids, w = inputs(cfg, 2)
+    expected = remote.forward(layer, x, ids, w)
+    spawned.signal(signal.SIGSTOP)
+    handle = remote.submit(layer, x, ids, w)
+    spawned.kill()
+    start = time.monotonic()
+    with pytest.raises(ExpertBackendError) as info:
+        remote.wait(handle)
+    assert info.value.code == "UNAVAILABLE" and time.monotonic() - start < 20
+    with pytest.raises(ExpertBackendError) as info:
+        remote.forward(layer, x, ids, w)
+    assert info.value.code == "UNAVAILABLE"
+    with Spawned(path, "int8", port=spawned.port):
+        assert wait_until(lambda: _succeeds(remote, layer, x, ids, w))
+        assert torch.equal(remote.forward(layer, x, ids, w), expected)
+    remote.close()
+
+
+def _succeeds(remote, layer, x, ids, w) -> bool:
+    try:
+        remote.forward(layer, x, ids, w)
+        return True
+    except ExpertBackendError as exc:
+        assert exc.code == "UNAVAILABLE", exc
+        return False
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("transport", ["shm", "grpc"])
+def test_a_call_past_its_deadline_is_deadline_exceeded_and_the_next_call_works(model, spawned, transport):
+    _, cfg, layer = model
+    remote = RemoteExperts(cfg, RemoteConfig(addresses=(spawned.address,), transport=transport, timeout_s=1.0))
+    x, ids, w = inputs(cfg, 2)
+    expected = remote.forward(layer, x, ids, w)
+    spawned.signal(signal.SIGSTOP)
+    start = time.monotonic()
+    with pytest.raises(ExpertBackendError) as info:
+        remote.forward(layer, x, ids, w)
+    assert info.value.code == "DEADLINE_EXCEEDED" and time.monotonic() - start < 3
+    spawned.signal(signal.SIGCONT)
+    assert torch.equal(remote.forward(layer, x, ids, w), expected)
+    remote.close()
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("transport", ["shm", "grpc"])
+def test_sigterm_drains_the_call_in_flight_then_exits(model, spawned, transport):
+    _, cfg, layer = model
+    remote = RemoteExperts(cfg, RemoteConfig(addresses=(spawned.address,), transport=transport, timeout_s=20))
+    x, ids, w = inputs(cfg, 2)
+    expected = remote.forward(layer, x, ids, w)
+    spawned.signal(signal.SIGSTOP)
+    handle = remote.submit(layer, x, ids, w)
+    spawned.signal(signal.SIGTERM)
+    spawned.signal(signal.SIGCONT)
+    assert torch.equal(remote.wait(handle), expected)
+    assert spawned.proc.wait(30) == 0
+    with pytest.raises(ExpertBackendError) as info:
+        remote.forward(layer, x, ids, w)
+    assert info.value.code == "UNAVAILABLE"
+    remote.close()

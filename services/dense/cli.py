@@ -1,6 +1,7 @@
-"""Generate text from a checkpoint in one process (dense path plus the torch reference experts).
+"""Generate text from a checkpoint: the dense path here, routed experts in process or on expert servers.
 
     python -m services.dense.cli --model DIR --prompt "Hello" [--max-tokens 64 --temperature 0]
+    python -m services.dense.cli --model DIR --prompt "Hello" --experts remote --expert-servers HOST:PORT[,...]
 """
 
 from __future__ import annotations
@@ -8,12 +9,14 @@ from __future__ import annotations
 import argparse
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 from services.common.errors import TandemError
 from services.dense.generate import stream
 from services.common.expert_weights import FORMATS, default_threads
 from services.dense.loader import load_model, open_checkpoint
 from services.dense.moe.experts import ExpertBackend
+from services.dense.moe.remote import TRANSPORTS, RemoteConfig, RemoteExperts
 from services.dense.runtime import DenseRuntime
 from services.dense.sampling import SamplingParams
 from services.dense.tokenizer import Tokenizer
@@ -25,9 +28,10 @@ class CliConfig:
     prompt: str
     runtime: DenseRuntime
     sampling: SamplingParams
-    experts: str  # "reference" (torch, float weights) or "native" (tandem_native kernels)
+    experts: str  # "reference" (torch, float weights), "native" (tandem_native kernels) or "remote"
     expert_format: str
     threads: int
+    remote: RemoteConfig | None = None  # expert servers, with --experts remote
 
 
 def parse_args(argv: list[str] | None = None) -> CliConfig:
@@ -41,7 +45,11 @@ def parse_args(argv: list[str] | None = None) -> CliConfig:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda[:N]")
-    p.add_argument("--experts", choices=["reference", "native"], default="native")
+    p.add_argument("--experts", choices=["reference", "native", "remote"], default="native")
+    p.add_argument("--expert-servers", help="comma-separated HOST:PORT of expert servers (--experts remote)")
+    p.add_argument("--transport", choices=list(TRANSPORTS), default="auto",
+                   help="remote experts: shm (same host), grpc (inline), or auto")
+    p.add_argument("--tls-root", type=Path, help="trust root (PEM) for expert servers using TLS")
     p.add_argument("--format", choices=list(FORMATS), default="bf16", help="routed-expert format (native)")
     p.add_argument("--threads", type=int, default=default_threads(), help="native kernel threads")
     a = p.parse_args(argv)
@@ -50,7 +58,11 @@ def parse_args(argv: list[str] | None = None) -> CliConfig:
     try:
         sampling = SamplingParams(a.temperature, a.top_p, a.top_k, a.seed, a.max_tokens)
         runtime = DenseRuntime(a.dtype, a.device)
-        return CliConfig(a.model, a.prompt, runtime, sampling, a.experts, a.format, a.threads)
+        remote = None
+        if a.experts == "remote":
+            addresses = tuple(x for x in (a.expert_servers or "").split(",") if x)
+            remote = RemoteConfig(addresses, a.transport, tls_root=a.tls_root)
+        return CliConfig(a.model, a.prompt, runtime, sampling, a.experts, a.format, a.threads, remote)
     except TandemError as exc:
         p.error(str(exc))
 
@@ -58,9 +70,11 @@ def parse_args(argv: list[str] | None = None) -> CliConfig:
 def _experts(cfg: CliConfig) -> ExpertBackend | None:
     if cfg.experts == "reference":
         return None
+    checkpoint, model_cfg = open_checkpoint(cfg.model)
+    if cfg.remote is not None:
+        return RemoteExperts(model_cfg, cfg.remote)
     from services.dense.moe.native import NativeExperts
 
-    checkpoint, model_cfg = open_checkpoint(cfg.model)
     return NativeExperts(model_cfg, checkpoint, cfg.expert_format, cfg.threads)
 
 

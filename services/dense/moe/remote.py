@@ -64,6 +64,8 @@ class ExpertServerClient:
         try:
             self.info = self.stub.GetInfo(pb.GetInfoRequest(), timeout=rc.connect_timeout_s, wait_for_ready=True)
         except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise ConfigError(f"expert server {address}: not reachable within {rc.connect_timeout_s:g} s") from exc
             raise ConfigError(f"expert server {address}: {exc.details() or exc.code().name}") from exc
         self.use_shm = rc.transport == "shm" or (rc.transport == "auto" and self.info.host_id == shm.host_id())
         self.capacity = min(rc.max_tokens, self.info.max_tokens)

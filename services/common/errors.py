@@ -23,6 +23,18 @@ class InvalidRequestError(TandemError):
     """A caller's request is malformed (bad sampling parameters, over-long prompt...)."""
 
 
+class ResourceExhaustedError(TandemError):
+    """A bounded resource (KV cache, request queue) cannot take more now."""
+
+
+class CancelledError(TandemError):
+    """A request was cancelled by its client or ran past its deadline."""
+
+    def __init__(self, message: str, deadline: bool = False):
+        super().__init__(message)
+        self.deadline = deadline
+
+
 class ExpertBackendError(TandemError):
     """An expert backend failed to compute a layer; carries the layer, the cause, and a status code
     name (a gRPC StatusCode name: INVALID_ARGUMENT, UNAVAILABLE, DEADLINE_EXCEEDED, INTERNAL)."""

@@ -1,16 +1,43 @@
-"""KV cache of one sequence: preallocated per layer, filled in order of position.
+"""KV caches: one sequence's contiguous cache, and the service's paged cache with a fixed budget.
 
 GQA layers keep keys and values [S, Hkv, Dh]; MLA layers keep the compressed latent [S, C] and the
 shared rotated key [S, R], as the reference implementation does (the cache is what makes MLA small).
-S cached positions, Hkv key/value heads, Dh head size, C kv_lora_rank, R rotated dims.
+Both kinds give attention the same thing per layer: `update(*new)` writes this step's entries and
+returns everything cached for the sequence.
+S cached positions, T tokens of a step, Hkv key/value heads, Dh head size, C kv_lora_rank,
+R rotated dims, B block size, N blocks.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from services.common.errors import InvalidRequestError
+from services.common.errors import InvalidRequestError, ResourceExhaustedError
 from services.common.model_config import ModelConfig
+
+
+def entry_shapes(config: ModelConfig) -> tuple[tuple[int, ...], ...]:
+    """Shapes of one position's cache entries in one layer."""
+    attn = config.attention
+    if attn.kind == "mla":
+        return (attn.kv_lora_rank,), (attn.qk_rope_head_dim,)
+    return (attn.num_kv_heads, attn.head_dim), (attn.num_kv_heads, attn.head_dim)
+
+
+def bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
+    per_layer = sum(int(torch.Size(s).numel()) for s in entry_shapes(config))
+    return per_layer * config.num_layers * torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One sequence's share of a step: its rows of the batch, its layer cache, its mask [T, S]."""
+
+    rows: slice
+    kv: object
+    mask: torch.Tensor
 
 
 class LayerKV:
@@ -27,12 +54,10 @@ class LayerKV:
 
 
 class SequenceKV:
+    """A single sequence's cache, preallocated for `capacity` positions."""
+
     def __init__(self, config: ModelConfig, capacity: int, dtype: torch.dtype, device: torch.device):
-        attn = config.attention
-        if attn.kind == "mla":
-            shapes = ((attn.kv_lora_rank,), (attn.qk_rope_head_dim,))
-        else:
-            shapes = ((attn.num_kv_heads, attn.head_dim), (attn.num_kv_heads, attn.head_dim))
+        shapes = entry_shapes(config)
         self.capacity = capacity
         self.length = 0  # positions committed so far
         self.start = 0  # offset of the step in progress
@@ -49,3 +74,78 @@ class SequenceKV:
 
     def commit(self, num_tokens: int) -> None:
         self.length = self.start + num_tokens
+
+
+class BlockPool:
+    """The service's KV memory: per layer, entries for N blocks of B positions, handed out by block."""
+
+    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
+                 device: torch.device):
+        shapes = entry_shapes(config)
+        self.num_blocks, self.block_size, self.device = num_blocks, block_size, device
+        self.layers = [
+            tuple(torch.empty((num_blocks * block_size, *s), dtype=dtype, device=device) for s in shapes)
+            for _ in range(config.num_layers)
+        ]
+        self._free = list(range(num_blocks - 1, -1, -1))
+
+    @property
+    def free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def used_blocks(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    def blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.block_size)
+
+    def allocate(self, count: int) -> list[int]:
+        if count > len(self._free):
+            raise ResourceExhaustedError(f"KV cache: {count} blocks wanted, {len(self._free)} free")
+        return [self._free.pop() for _ in range(count)]
+
+    def release(self, blocks: list[int]) -> None:
+        self._free.extend(reversed(blocks))
+
+
+class PagedLayer:
+    def __init__(self, seq: PagedSequence, layer: int):
+        self.seq, self.buffers = seq, seq.pool.layers[layer]
+
+    def update(self, *new: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        slots = self.seq.slots  # [S] flat positions in the pool of this sequence's entries
+        step = slots[self.seq.start:self.seq.start + new[0].shape[0]]
+        for buf, x in zip(self.buffers, new):
+            buf[step] = x
+        return tuple(buf[slots] for buf in self.buffers)
+
+
+class PagedSequence:
+    """One sequence's block table in a BlockPool; grows block by block as positions are added."""
+
+    def __init__(self, pool: BlockPool):
+        self.pool = pool
+        self.blocks: list[int] = []
+        self.length = 0
+        self.start = 0
+        self.slots = torch.empty(0, dtype=torch.long, device=pool.device)
+        self.layers = [PagedLayer(self, i) for i in range(len(pool.layers))]
+
+    def begin(self, num_tokens: int) -> None:
+        end = self.length + num_tokens
+        missing = self.pool.blocks_for(end) - len(self.blocks)
+        if missing > 0:
+            self.blocks += self.pool.allocate(missing)
+        b = self.pool.block_size
+        table = torch.tensor(self.blocks, dtype=torch.long, device=self.pool.device)
+        positions = torch.arange(end, device=self.pool.device)
+        self.slots = table[positions // b] * b + positions % b
+        self.start = self.length
+
+    def commit(self, num_tokens: int) -> None:
+        self.length = self.start + num_tokens
+
+    def free(self) -> None:
+        self.pool.release(self.blocks)
+        self.blocks = []

@@ -1,5 +1,7 @@
 """Attention variants: grouped-query (GQA) and multi-head latent (MLA).
 
+A step may carry several sequences: projections run over all T tokens at once, then each sequence's
+rows attend to its own cache (a Segment: its rows, its layer cache, its causal mask).
 Shapes: T new tokens, S cached positions (T included), D hidden size, H query heads,
 Hkv key/value heads, Dh head size, C kv_lora_rank, N/R/V the MLA nope, rope and value head sizes.
 """
@@ -10,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from services.common.model_config import ModelConfig
-from services.dense.kv_cache import LayerKV
+from services.dense.kv_cache import Segment
 from services.dense.layers.norm import rms_norm
 from services.dense.layers.rope import Rotary
 from services.dense.weights import WeightLoader
@@ -37,7 +39,7 @@ class GQAttention:
             self.q_norm = w.norm(f"{prefix}.q_norm", a.head_dim)
             self.k_norm = w.norm(f"{prefix}.k_norm", a.head_dim)
 
-    def __call__(self, x: torch.Tensor, cos_sin, kv: LayerKV, mask: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, cos_sin, segments: list[Segment]) -> torch.Tensor:
         a, t = self.a, x.shape[0]
         q = self.q_proj(x).view(t, a.num_heads, a.head_dim)
         k = self.k_proj(x).view(t, a.num_kv_heads, a.head_dim)
@@ -45,8 +47,11 @@ class GQAttention:
         if a.qk_norm:
             q, k = rms_norm(q, self.q_norm, self.eps), rms_norm(k, self.k_norm, self.eps)
         q, k = self.rotary.apply(q, *cos_sin), self.rotary.apply(k, *cos_sin)
-        k_all, v_all = kv.update(k, v)
-        return self.o_proj(_attend(q, k_all, v_all, mask, a.softmax_scale))
+        out = []
+        for seg in segments:
+            k_all, v_all = seg.kv.update(k[seg.rows], v[seg.rows])
+            out.append(_attend(q[seg.rows], k_all, v_all, seg.mask, a.softmax_scale))
+        return self.o_proj(torch.cat(out))
 
 
 class MLAttention:
@@ -70,19 +75,26 @@ class MLAttention:
             return self.q_proj(x)
         return self.q_b_proj(rms_norm(self.q_a_proj(x), self.q_a_layernorm, self.eps))
 
-    def __call__(self, x: torch.Tensor, cos_sin, kv: LayerKV, mask: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, cos_sin, segments: list[Segment]) -> torch.Tensor:
         a, t = self.a, x.shape[0]
         q = self._query(x).view(t, a.num_heads, a.head_dim)
         q_nope, q_rot = q.split([a.qk_nope_head_dim, a.qk_rope_head_dim], dim=-1)
         latent, k_rot = self.kv_a_proj(x).split([a.kv_lora_rank, a.qk_rope_head_dim], dim=-1)  # [T, C], [T, R]
         latent = rms_norm(latent, self.kv_a_layernorm, self.eps)
-        q_rot = self.rotary.apply(q_rot, *cos_sin)
+        q = torch.cat((q_nope, self.rotary.apply(q_rot, *cos_sin)), dim=-1)
         k_rot = self.rotary.apply(k_rot[:, None, :], *cos_sin)[:, 0]
-        latent_all, k_rot_all = kv.update(latent, k_rot)  # [S, C], [S, R]
-        s = latent_all.shape[0]
-        k_nope, v = self.kv_b_proj(latent_all).view(s, a.num_heads, -1).split([a.qk_nope_head_dim, a.v_head_dim], -1)
-        k = torch.cat((k_nope, k_rot_all[:, None, :].expand(s, a.num_heads, a.qk_rope_head_dim)), dim=-1)
-        return self.o_proj(_attend(torch.cat((q_nope, q_rot), dim=-1), k, v, mask, a.softmax_scale))
+        out = []
+        for seg in segments:
+            latent_all, k_rot_all = seg.kv.update(latent[seg.rows], k_rot[seg.rows])  # [S, C], [S, R]
+            out.append(self._attend_cached(q[seg.rows], latent_all, k_rot_all, seg.mask))
+        return self.o_proj(torch.cat(out))
+
+    def _attend_cached(self, q: torch.Tensor, latent: torch.Tensor, k_rot: torch.Tensor, mask: torch.Tensor):
+        """q [T, H, N + R] against one sequence's cache: latent [S, C], k_rot [S, R] -> [T, H * V]."""
+        a, s = self.a, latent.shape[0]
+        k_nope, v = self.kv_b_proj(latent).view(s, a.num_heads, -1).split([a.qk_nope_head_dim, a.v_head_dim], -1)
+        k = torch.cat((k_nope, k_rot[:, None, :].expand(s, a.num_heads, a.qk_rope_head_dim)), dim=-1)
+        return _attend(q, k, v, mask, a.softmax_scale)
 
 
 def make_attention(cfg: ModelConfig, w: WeightLoader, prefix: str, rotary: Rotary):

@@ -1,6 +1,8 @@
 """The one generic MoE decoder: every family is this assembly, configured by ModelConfig.
 
-Shapes: T tokens of this step, S cached positions, D hidden size, V vocabulary size.
+A step runs the tokens of several sequences together (each a Chunk continuing its own cache):
+everything but attention sees one [T, D] batch, so each MoE layer makes one expert call per step.
+Shapes: T tokens of this step, S cached positions, D hidden size, V vocabulary size, R logit rows.
 """
 
 from __future__ import annotations
@@ -9,14 +11,24 @@ import torch
 import torch.nn.functional as F
 
 from services.common.model_config import ModelConfig
-from services.dense.kv_cache import LayerKV, SequenceKV
+from dataclasses import dataclass
+
+from services.dense.kv_cache import Segment, SequenceKV
 from services.dense.layers.attention import make_attention
 from services.dense.layers.mlp import GatedMLP
 from services.dense.layers.norm import rms_norm
 from services.dense.layers.rope import Rotary
 from services.dense.moe.block import MoeBlock
 from services.dense.moe.experts import ExpertBackend
-from services.dense.weights import WeightLoader
+from services.dense.weights import WeightLoader, linear
+
+
+@dataclass
+class Chunk:
+    """Tokens [T] that continue one sequence's cache (a prompt piece or a decoded token)."""
+
+    tokens: torch.Tensor
+    cache: object
 
 
 class DecoderLayer:
@@ -31,8 +43,8 @@ class DecoderLayer:
         else:
             self.mlp = GatedMLP(w, f"{prefix}.mlp", d, cfg.intermediate_size, cfg.mlp_bias)
 
-    def __call__(self, h: torch.Tensor, cos_sin, kv: LayerKV, mask: torch.Tensor) -> torch.Tensor:
-        h = h + self.attention(rms_norm(h, self.input_norm, self.eps), cos_sin, kv, mask)
+    def __call__(self, h: torch.Tensor, cos_sin, segments: list[Segment]) -> torch.Tensor:
+        h = h + self.attention(rms_norm(h, self.input_norm, self.eps), cos_sin, segments)
         return h + self.mlp(rms_norm(h, self.post_attention_norm, self.eps))
 
 
@@ -54,17 +66,29 @@ class MoeDecoder:
     def forward(self, tokens: torch.Tensor, cache: SequenceKV, last_only: bool = False) -> torch.Tensor:
         """tokens [T] continuing the cached sequence -> logits [T, V] float32 ([1, V] if last_only)."""
         t = tokens.shape[0]
-        cache.begin(t)
-        positions = torch.arange(cache.start, cache.start + t, device=self.device)
-        mask = self._mask(positions, cache.start + t)
-        cos_sin = self.rotary.cos_sin(positions, self.dtype)
-        h = F.embedding(tokens.to(self.device), self.embed)
-        for layer, kv in zip(self.layers, cache.layers):
-            h = layer(h, cos_sin, kv, mask)
-        cache.commit(t)
-        if last_only:
-            h = h[-1:]
-        return F.linear(rms_norm(h, self.norm, self.cfg.rms_norm_eps), self.lm_head).float()
+        return self.forward_batch([Chunk(tokens, cache)], [t - 1] if last_only else list(range(t)))
+
+    @torch.inference_mode()
+    def forward_batch(self, chunks: list["Chunk"], logit_rows: list[int]) -> torch.Tensor:
+        """Chunks of several sequences in one step -> logits [R, V] float32 of the batch rows asked."""
+        tokens = torch.cat([c.tokens for c in chunks]).to(self.device)
+        positions, segments = [], []
+        for c in chunks:
+            c.cache.begin(len(c.tokens))
+            positions.append(torch.arange(c.cache.start, c.cache.start + len(c.tokens), device=self.device))
+        cos_sin = self.rotary.cos_sin(torch.cat(positions), self.dtype)
+        masks = [self._mask(p, c.cache.start + len(c.tokens)) for p, c in zip(positions, chunks)]
+        rows, start = [], 0
+        for c in chunks:
+            rows.append(slice(start, start + len(c.tokens)))
+            start += len(c.tokens)
+        h = F.embedding(tokens, self.embed)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, cos_sin, [Segment(r, c.cache.layers[i], m) for r, c, m in zip(rows, chunks, masks)])
+        for c in chunks:
+            c.cache.commit(len(c.tokens))
+        h = h[torch.tensor(logit_rows, device=self.device)]
+        return linear(rms_norm(h, self.norm, self.cfg.rms_norm_eps), self.lm_head).float()
 
     def _mask(self, positions: torch.Tensor, length: int) -> torch.Tensor:
         """[T, S] bool: causal, and inside the sliding window when the model has one."""

@@ -11,7 +11,7 @@ from services.common.model_config import ModelConfig
 from services.dense.layers.mlp import GatedMLP
 from services.dense.moe.experts import ExpertBackend
 from services.dense.moe.router import route
-from services.dense.weights import WeightLoader
+from services.dense.weights import WeightLoader, linear
 
 
 class MoeBlock:
@@ -30,7 +30,7 @@ class MoeBlock:
         self.shared_gate = w.linear(f"{prefix}.shared_expert_gate", 1, d) if moe.shared_gated else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [T, D] -> [T, D]
-        ids, weights = route(self.router, x.float() @ self.gate.T, self.bias)
+        ids, weights = route(self.router, linear(x.float(), self.gate), self.bias)
         handle = self.experts.submit(self.layer, x, ids, weights)
         shared = self._shared(x)
         routed = self.experts.wait(handle)

@@ -14,6 +14,7 @@ from services.common.errors import ExpertBackendError
 from services.common.expert_weights import load_expert_stacks
 from services.common.model_config import ModelConfig
 from services.dense.moe.experts import ExpertBackend
+from services.dense.weights import linear
 
 
 def moe_reference(x, ids, weights, w13, w2) -> torch.Tensor:
@@ -22,8 +23,8 @@ def moe_reference(x, ids, weights, w13, w2) -> torch.Tensor:
     x = x.to(w13.dtype)
     for e in ids.unique().tolist():
         tok, slot = torch.where(ids == e)
-        gate, up = F.linear(x[tok], w13[e]).chunk(2, dim=-1)
-        y = F.linear(F.silu(gate) * up, w2[e])
+        gate, up = linear(x[tok], w13[e]).chunk(2, dim=-1)
+        y = linear(F.silu(gate) * up, w2[e])
         out.index_add_(0, tok, y * weights[tok, slot, None].to(y.dtype))
     return out
 

@@ -1,44 +1,54 @@
-"""Generation for one sequence: prefill the prompt, then decode until EOS or max_tokens."""
+"""Generation for one sequence, synchronously: the engine with a single request and a cache sized
+for it (the same code path the service runs, minus the threads)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-import torch
-
-from services.common.errors import InvalidRequestError
+from services.dense.engine import Engine, EngineConfig
 from services.dense.models.decoder import MoeDecoder
-from services.dense.sampling import Sampler, SamplingParams
+from services.dense.request import Output, Request
+from services.dense.sampling import SamplingParams
+
+BLOCK = 16
 
 
 @dataclass(frozen=True)
 class Generation:
     tokens: list[int]
-    finish_reason: str  # "stop" (an EOS token) or "length"
+    finish_reason: str  # "stop" (an EOS or stop token, or a stop string) or "length"
+    text: str = ""
+
+
+def outputs(model: MoeDecoder, prompt: list[int], params: SamplingParams, eos_ids=(), tokenizer=None
+            ) -> Iterator[Output]:
+    """Streams the request's outputs; a failure raises its domain error."""
+    blocks = -(-(len(prompt) + params.max_tokens) // BLOCK)
+    engine = Engine(model, EngineConfig(kv_blocks=max(blocks, 1), block_size=BLOCK,
+                                        max_batch_tokens=max(len(prompt), 1), max_queue=0))
+    request = engine.submit(Request("local", list(prompt), params, tuple(eos_ids), tokenizer))
+    while True:
+        engine.step()
+        while not request.outputs.empty():
+            out = request.outputs.get()
+            if out.error is not None:
+                raise out.error
+            yield out
+            if out.finished:
+                return
 
 
 def stream(model: MoeDecoder, prompt: list[int], params: SamplingParams, eos_ids=()) -> Iterator[int]:
     """Yields generated token ids; an EOS token is yielded, then the stream ends."""
-    if not prompt:
-        raise InvalidRequestError("prompt must hold at least one token")
-    total = len(prompt) + params.max_tokens
-    if total > model.cfg.max_position_embeddings:
-        raise InvalidRequestError(
-            f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds the model's "
-            f"context length of {model.cfg.max_position_embeddings}"
-        )
-    sample, cache = Sampler(params), model.new_cache(total)
-    logits = model.forward(torch.tensor(prompt), cache, last_only=True)
-    for step in range(params.max_tokens):
-        token = sample(logits[-1])
-        yield token
-        if token in eos_ids or step + 1 == params.max_tokens:
-            return
-        logits = model.forward(torch.tensor([token]), cache)
+    for out in outputs(model, prompt, params, eos_ids):
+        yield from out.token_ids
 
 
-def generate(model: MoeDecoder, prompt: list[int], params: SamplingParams, eos_ids=()) -> Generation:
-    tokens = list(stream(model, prompt, params, tuple(eos_ids)))
-    reason = "stop" if tokens and tokens[-1] in eos_ids else "length"
-    return Generation(tokens, reason)
+def generate(model: MoeDecoder, prompt: list[int], params: SamplingParams, eos_ids=(), tokenizer=None) -> Generation:
+    tokens, text, reason = [], "", "length"
+    for out in outputs(model, prompt, params, eos_ids, tokenizer):
+        tokens += out.token_ids
+        text += out.text
+        reason = out.finish_reason or reason
+    return Generation(tokens, reason, text)

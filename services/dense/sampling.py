@@ -1,16 +1,20 @@
-"""Per-request sampling: greedy, or temperature / top-k / top-p with a seeded generator.
+"""Per-request sampling: penalties, temperature, min-p / top-k / top-p, a seeded generator, logprobs.
 
-Sampling runs on the CPU in float32 so a seed gives the same tokens on every device.
+Sampling runs on the CPU in float32 with the request's own generator, so a seed gives the same
+tokens on every device and whatever else shares the batch. Every validation error names its field.
 V vocabulary size.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 
 import torch
 
 from services.common.errors import InvalidRequestError
+
+MAX_LOGPROBS = 20
 
 
 @dataclass(frozen=True)
@@ -20,35 +24,98 @@ class SamplingParams:
     top_k: int = 0  # 0: no limit
     seed: int | None = None
     max_tokens: int = 16
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0  # > 1 discourages any token already in the prompt or output
+    presence_penalty: float = 0.0  # subtracted once from tokens already generated
+    frequency_penalty: float = 0.0  # subtracted per occurrence in the generated tokens
+    min_tokens: int = 0  # EOS and stop tokens are barred before this many tokens
+    stop: tuple[str, ...] = ()  # stop strings (not part of the output)
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None: no logprobs; n: the chosen token's and the n most likely
 
     def __post_init__(self):
-        if not self.temperature >= 0:
-            raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise InvalidRequestError(f"top_k must be >= 0, got {self.top_k}")
-        if self.max_tokens < 1:
-            raise InvalidRequestError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        _check(self.temperature >= 0, "temperature", f"must be >= 0, got {self.temperature}")
+        _check(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
+        _check(self.top_k >= 0, "top_k", f"must be >= 0, got {self.top_k}")
+        _check(self.max_tokens >= 1, "max_tokens", f"must be >= 1, got {self.max_tokens}")
+        _check(0 <= self.min_p <= 1, "min_p", f"must be in [0, 1], got {self.min_p}")
+        _check(self.repetition_penalty > 0, "repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
+        _check(-2 <= self.presence_penalty <= 2, "presence_penalty", f"must be in [-2, 2], got {self.presence_penalty}")
+        _check(-2 <= self.frequency_penalty <= 2, "frequency_penalty",
+               f"must be in [-2, 2], got {self.frequency_penalty}")
+        _check(0 <= self.min_tokens <= self.max_tokens, "min_tokens",
+               f"must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
+        _check(all(isinstance(s, str) and s for s in self.stop), "stop", "stop strings must be non-empty strings")
+        _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
+               "must be non-negative token ids")
+        _check(self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs",
+               f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        _check(self.seed is None or 0 <= self.seed < 2**63, "seed", f"must be in [0, 2**63), got {self.seed}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
 
 
+def _check(ok: bool, name: str, message: str) -> None:
+    if not ok:
+        raise InvalidRequestError(f"{name}: {message}")
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]  # the n most likely (token, logprob), best first
+
+
+@dataclass
 class Sampler:
-    def __init__(self, params: SamplingParams):
-        self.params = params
+    """One request's sampler; `history` is the prompt, `generated` grows with each sampled token."""
+
+    params: SamplingParams
+    history: list[int] = field(default_factory=list)
+    barred: tuple[int, ...] = ()  # EOS and stop ids, barred while fewer than min_tokens are out
+    generated: list[int] = field(default_factory=list)
+
+    def __post_init__(self):
         self.generator = torch.Generator()
-        if params.seed is not None:
-            self.generator.manual_seed(params.seed)
+        if self.params.seed is not None:
+            self.generator.manual_seed(self.params.seed)
         else:
             self.generator.seed()
+        self._counts: Counter = Counter()
+        self._seen = set(self.history)
 
     def __call__(self, logits: torch.Tensor) -> int:
-        """logits [V] -> the next token id."""
+        """logits [V] -> the next token id (recorded as generated)."""
+        return self.sample(logits)[0]
+
+    def sample(self, logits: torch.Tensor) -> tuple[int, TokenLogprobs | None]:
+        raw = logits.detach().float().cpu()
+        token = self._choose(self._process(raw.clone()))
+        self.generated.append(token)
+        self._counts[token] += 1
+        self._seen.add(token)
+        return token, self._logprobs(raw, token)
+
+    def _process(self, logits: torch.Tensor) -> torch.Tensor:
         p = self.params
-        logits = logits.detach().float().cpu()
+        if p.repetition_penalty != 1 and self._seen:
+            ids = torch.tensor(sorted(self._seen))
+            picked = logits[ids]
+            logits[ids] = torch.where(picked > 0, picked / p.repetition_penalty, picked * p.repetition_penalty)
+        if (p.presence_penalty or p.frequency_penalty) and self._counts:
+            ids = torch.tensor(list(self._counts))
+            counts = torch.tensor([float(c) for c in self._counts.values()])
+            logits[ids] -= p.presence_penalty + p.frequency_penalty * counts
+        if len(self.generated) < p.min_tokens and self.barred:
+            logits[torch.tensor(self.barred)] = float("-inf")
+        return logits
+
+    def _choose(self, logits: torch.Tensor) -> int:
+        p = self.params
         if p.greedy:
             return int(logits.argmax())
         logits = logits / p.temperature
@@ -56,9 +123,21 @@ class Sampler:
             kth = logits.topk(min(p.top_k, logits.numel())).values[-1]
             logits = logits.masked_fill(logits < kth, float("-inf"))
         probs = logits.softmax(-1)
+        if p.min_p > 0:
+            probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
         if p.top_p < 1:
             probs = _top_p(probs, p.top_p)
         return int(torch.multinomial(probs, 1, generator=self.generator))
+
+    def _logprobs(self, raw: torch.Tensor, token: int) -> TokenLogprobs | None:
+        """Log-probabilities of the model's own distribution (before penalties and temperature)."""
+        n = self.params.logprobs
+        if n is None:
+            return None
+        logp = raw.log_softmax(-1)
+        top = logp.topk(n) if n else None
+        alternatives = tuple(zip(top.indices.tolist(), top.values.tolist())) if top is not None else ()
+        return TokenLogprobs(token, float(logp[token]), alternatives)
 
 
 def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:

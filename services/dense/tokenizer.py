@@ -36,6 +36,7 @@ class Tokenizer:
         except Exception as exc:  # the Rust library raises a bare Exception on bad files
             raise CheckpointError(f"{path}: cannot load tokenizer: {exc}") from exc
         self.config = _json(model_dir / "tokenizer_config.json")
+        self.chat_template = self._chat_template(model_dir)
         self.eos_token_ids = self._stop_ids(model_dir)
 
     def _stop_ids(self, model_dir: Path) -> tuple[int, ...]:
@@ -48,6 +49,22 @@ class Tokenizer:
         eos = eos.get("content") if isinstance(eos, dict) else eos
         token_id = self._tok.token_to_id(eos) if eos else None
         return () if token_id is None else (token_id,)
+
+    def _chat_template(self, model_dir: Path) -> str:
+        """tokenizer_config.json's chat_template (a string, or the 'default' of a named list), else
+        chat_template.jinja; empty when the checkpoint has none."""
+        template = self.config.get("chat_template")
+        if isinstance(template, list):
+            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+            template = named.get("default") or next(iter(named.values()), None)
+        if isinstance(template, str):
+            return template
+        path = model_dir / "chat_template.jinja"
+        return path.read_text() if path.is_file() else ""
+
+    def token_text(self, token_id: int) -> str:
+        """One token's own text (for logprobs)."""
+        return self._tok.decode([token_id], skip_special_tokens=False)
 
     @property
     def vocab_size(self) -> int:

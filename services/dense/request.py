@@ -1,0 +1,91 @@
+"""One generation request as the engine tracks it, and the outputs it streams back."""
+
+from __future__ import annotations
+
+import queue
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from services.common.errors import TandemError
+from services.dense.detokenizer import Detokenizer
+from services.dense.sampling import Sampler, SamplingParams, TokenLogprobs
+
+
+@dataclass(frozen=True)
+class Output:
+    """A streamed piece: new token ids, their text, logprobs; the last one has finish_reason set."""
+
+    token_ids: tuple[int, ...]
+    text: str = ""
+    logprobs: tuple[TokenLogprobs, ...] = ()
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    error: TandemError | None = None  # set when the request failed (the stream ends with it)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None or self.error is not None
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    eos_ids: tuple[int, ...] = ()
+    tokenizer: object | None = None
+    deadline: float | None = None  # time.monotonic() after which the request is dropped
+    outputs: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
+    prefilled: int = 0  # prompt tokens already in the cache
+    cache: object | None = None  # the PagedSequence, while running
+    reserved: int = 0  # KV blocks reserved for the whole request
+    cancelled: bool = False
+
+    def __post_init__(self):
+        stop_ids = tuple(self.params.stop_token_ids)
+        barred = stop_ids + (() if self.params.ignore_eos else self.eos_ids)
+        self.sampler = Sampler(self.params, history=list(self.prompt), barred=barred)
+        self.stop_ids = set(stop_ids) | (set() if self.params.ignore_eos else set(self.eos_ids))
+        self.detokenizer = Detokenizer(self.tokenizer, self.prompt, self.params.stop) if self.tokenizer else None
+
+    @property
+    def generated(self) -> list[int]:
+        return self.sampler.generated
+
+    @property
+    def prefilling(self) -> bool:
+        return self.prefilled < len(self.prompt)
+
+    def next_tokens(self, budget: int) -> torch.Tensor:
+        """The tokens this request feeds in the next step: a prompt chunk, or its last sampled token."""
+        if self.prefilling:
+            return torch.tensor(self.prompt[self.prefilled:self.prefilled + budget])
+        return torch.tensor(self.generated[-1:])
+
+    def expired(self, now: float) -> bool:
+        return self.deadline is not None and now > self.deadline
+
+    def accept(self, logits: torch.Tensor) -> Output:
+        """Samples the next token from logits [V] and says what to stream (and whether it is over)."""
+        token, logprobs = self.sampler.sample(logits)
+        text = self.detokenizer.add(token) if self.detokenizer else ""
+        reason = None
+        if token in self.stop_ids:
+            reason = "stop"
+        elif self.detokenizer and self.detokenizer.stopped_by is not None:
+            reason = "stop"
+        elif len(self.generated) >= self.params.max_tokens:
+            reason = "length"
+        if reason and self.detokenizer:
+            text += self.detokenizer.flush()
+        return Output((token,), text, (logprobs,) if logprobs else (), reason, len(self.prompt), len(self.generated))
+
+    def finish(self, reason: str | None = None, error: TandemError | None = None) -> None:
+        self.outputs.put(Output((), "", (), reason, len(self.prompt), len(self.generated), error))
+
+
+def monotonic_deadline(seconds: float | None) -> float | None:
+    return None if seconds is None else time.monotonic() + seconds

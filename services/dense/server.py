@@ -1,0 +1,128 @@
+"""The dense service's gRPC servicer: Generate, Tokenize, Detokenize, GetModelInfo.
+
+Requests are translated to engine Requests here; domain errors become status codes through
+services.common.grpc_status and nowhere else.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import time
+from dataclasses import dataclass
+
+import grpc
+
+from services.common.errors import InvalidRequestError, TandemError
+from services.common.grpc_status import abort
+from services.dense.engine import Engine
+from services.dense.request import Output, Request
+from services.dense.sampling import SamplingParams
+from services.dense.tokenizer import Tokenizer
+from tandem.v1 import dense_pb2 as pb
+from tandem.v1 import dense_pb2_grpc as pb_grpc
+
+FINISH = {None: pb.FINISH_REASON_UNSPECIFIED, "stop": pb.STOP, "length": pb.LENGTH, "abort": pb.ABORT}
+_ids = itertools.count()
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str
+    experts: str
+    expert_servers: tuple[str, ...]
+    dtype: str
+    device: str
+
+
+def sampling_params(req: pb.GenerateRequest) -> SamplingParams:
+    """The request's sampling and stopping fields, validated (errors name the field)."""
+    s, st = req.sampling, req.stopping
+    stops, stop_ids = [], []
+    for i, stop in enumerate(st.stop):
+        kind = stop.WhichOneof("kind")
+        if kind == "text":
+            stops.append(stop.text)
+        elif kind == "token_id":
+            stop_ids.append(stop.token_id)
+        else:
+            raise InvalidRequestError(f"stopping.stop[{i}]: unknown stop type (set text or token_id)")
+
+    def opt(msg, name, default):
+        return getattr(msg, name) if msg.HasField(name) else default
+
+    return SamplingParams(
+        temperature=opt(s, "temperature", 1.0), top_p=opt(s, "top_p", 1.0), top_k=opt(s, "top_k", 0),
+        seed=opt(s, "seed", None), max_tokens=opt(st, "max_tokens", 16), min_p=opt(s, "min_p", 0.0),
+        repetition_penalty=opt(s, "repetition_penalty", 1.0), presence_penalty=opt(s, "presence_penalty", 0.0),
+        frequency_penalty=opt(s, "frequency_penalty", 0.0), min_tokens=st.min_tokens, stop=tuple(stops),
+        stop_token_ids=tuple(stop_ids), ignore_eos=st.ignore_eos,
+        logprobs=req.logprobs if req.HasField("logprobs") else None,
+    )
+
+
+class DenseServicer(pb_grpc.DenseServiceServicer):
+    def __init__(self, engine: Engine, tokenizer: Tokenizer, info: ModelInfo):
+        self.engine, self.tokenizer, self.info = engine, tokenizer, info
+
+    def _request(self, req: pb.GenerateRequest, context) -> Request:
+        kind = req.WhichOneof("prompt")
+        if kind is None:
+            raise InvalidRequestError("prompt: set text or token_ids")
+        prompt = (self.tokenizer.encode(req.text, add_special_tokens=req.add_special_tokens) if kind == "text"
+                  else list(req.token_ids.ids))
+        remaining = context.time_remaining()
+        return Request(
+            request_id=req.request_id or f"req-{next(_ids)}", prompt=prompt, params=sampling_params(req),
+            eos_ids=self.tokenizer.eos_token_ids, tokenizer=self.tokenizer,
+            deadline=None if remaining is None else time.monotonic() + remaining,
+        )
+
+    def Generate(self, request, context):
+        try:
+            req = self.engine.submit(self._request(request, context))
+        except TandemError as exc:
+            abort(context, exc)
+        context.add_callback(lambda: self.engine.abort(req))
+        while True:
+            try:
+                out = req.outputs.get(timeout=0.25)
+            except queue.Empty:
+                if not context.is_active():
+                    self.engine.abort(req)
+                    return
+                continue
+            if out.error is not None:
+                abort(context, out.error)
+            yield self._response(out)
+            if out.finished:
+                return
+
+    def _response(self, out: Output) -> pb.GenerateResponse:
+        text_of = self.tokenizer.token_text
+        logprobs = [
+            pb.TokenLogprob(token_id=lp.token, logprob=lp.logprob, token=text_of(lp.token),
+                            top=[pb.TopLogprob(token_id=t, logprob=v, token=text_of(t)) for t, v in lp.top])
+            for lp in out.logprobs
+        ]
+        usage = pb.Usage(prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens)
+        return pb.GenerateResponse(token_ids=out.token_ids, text=out.text, logprobs=logprobs,
+                                   finish_reason=FINISH[out.finish_reason], usage=usage)
+
+    def Tokenize(self, request, context):
+        return pb.TokenizeResponse(token_ids=self.tokenizer.encode(request.text, request.add_special_tokens))
+
+    def Detokenize(self, request, context):
+        vocab = self.engine.model.cfg.vocab_size
+        if any(t >= vocab for t in request.token_ids):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"token_ids: must be in [0, {vocab})")
+        return pb.DetokenizeResponse(text=self.tokenizer.decode(list(request.token_ids), request.skip_special_tokens))
+
+    def GetModelInfo(self, request, context):
+        cfg, info = self.engine.model.cfg, self.info
+        return pb.GetModelInfoResponse(
+            name=info.name, family=cfg.family, context_length=cfg.max_position_embeddings, dtype=info.dtype,
+            device=info.device, expert_servers=info.expert_servers, experts=info.experts, vocab_size=cfg.vocab_size,
+            kv_cache_tokens=self.engine.pool.num_blocks * self.engine.pool.block_size,
+            chat_template=self.tokenizer.chat_template, eos_token_ids=self.tokenizer.eos_token_ids,
+        )

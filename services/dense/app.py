@@ -76,8 +76,10 @@ class RunningDense:
             self.experts.close()
 
 
-def start(cfg: DenseConfig) -> RunningDense:
-    model, experts = load_model(cfg.model, cfg.runtime, make_experts(cfg))
+def start(cfg: DenseConfig, experts=None) -> RunningDense:
+    """Loads, sizes the KV cache, starts the engine and serves; `experts` overrides the backend the
+    config names (tests use it to slow calls down)."""
+    model, experts = load_model(cfg.model, cfg.runtime, experts or make_experts(cfg))
     engine = Engine(model, cfg.engine(kv_blocks(cfg, model)))
     tokens = engine.pool.num_blocks * engine.pool.block_size
     print(f"dense service: KV cache of {tokens} tokens ({engine.pool.num_blocks} blocks)", file=sys.stderr, flush=True)

@@ -23,6 +23,8 @@ class Detokenizer:
 
     def add(self, token: int) -> str:
         """Takes one generated token; returns the text that can be released now (maybe "")."""
+        if self.stopped_by is not None:
+            return ""
         self.ids.append(token)
         before = self.tokenizer.decode(self.ids[self.prefix:self.read])
         after = self.tokenizer.decode(self.ids[self.prefix:])

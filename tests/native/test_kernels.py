@@ -10,7 +10,7 @@ pytestmark = pytest.mark.native
 
 E, D, I, K = 16, 256, 128, 4
 TOLERANCE = {"bf16": 1e-2, "int8": 3e-2, "int4": 0.15}
-ALL_ISAS = ("generic", "avx2", "avx512", "amx")
+ALL_ISAS = ("generic", "avx2", "avx512", "avx512_vnni", "avx512_bf16", "amx")  # worst to best
 
 
 @pytest.fixture(scope="module")
@@ -78,3 +78,8 @@ def test_zero_tokens_is_a_no_op(packed, pool):
 def test_active_isa_is_the_best_supported_one():
     assert tn.active_isa() == tn.supported_isas()[-1]
     assert tn.supported_isas()[0] == "generic"
+
+
+def test_each_variant_needs_the_features_of_the_ones_below_it():
+    supported = tn.supported_isas()
+    assert supported == list(ALL_ISAS[: len(supported)])

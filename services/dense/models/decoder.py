@@ -87,7 +87,7 @@ class MoeDecoder:
             h = layer(h, cos_sin, [Segment(r, c.cache.layers[i], m) for r, c, m in zip(rows, chunks, masks)])
         for c in chunks:
             c.cache.commit(len(c.tokens))
-        h = h[torch.tensor(logit_rows, device=self.device)]
+        h = h[torch.tensor(logit_rows, dtype=torch.long, device=self.device)]
         return linear(rms_norm(h, self.norm, self.cfg.rms_norm_eps), self.lm_head).float()
 
     def _mask(self, positions: torch.Tensor, length: int) -> torch.Tensor:

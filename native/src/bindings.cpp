@@ -136,7 +136,7 @@ PyJob submit(py::object layer_obj, py::array x, py::array ids, py::array weights
 }  // namespace
 
 PYBIND11_MODULE(tandem_native, m) {
-    m.doc() = "Tandem's CPU MoE kernels (generic and AVX2 variants, chosen at import)";
+    m.doc() = "Tandem's CPU MoE kernels (generic, AVX2, AVX-512 and AMX variants, the best chosen at import)";
     const char* forced = std::getenv("TANDEM_NATIVE_ISA");
     g_active = &select_kernels(forced ? forced : "");
     register_doorbell(m);

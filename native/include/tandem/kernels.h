@@ -26,7 +26,8 @@ struct Activations {
 using MatmulFn = void (*)(const Matrix& w, int r0, int r1, const Activations& x, int n, float* y, int ldy);
 // One row of C fp32 values -> int8 blocks of 32 with fp32 scales (C a multiple of 32).
 using QuantizeFn = void (*)(const float* x, int cols, int8_t* q, float* s);
-// One row of C fp32 values -> the fp32 layout this variant's bf16 matmul reads (may reorder columns).
+// One row of C fp32 values -> the layout this variant's bf16 matmul reads, C floats' worth of bytes
+// (may reorder the columns, or split each value into two bf16 parts).
 using ArrangeFn = void (*)(const float* x, int cols, float* out);
 
 // h[j] = silu(gate_up[j]) * gate_up[I + j] for j < I: one token's [2I] gate/up row -> [I].
@@ -42,5 +43,9 @@ struct KernelTable {
 
 const KernelTable& generic_kernels();
 const KernelTable& avx2_kernels();
+const KernelTable& avx512_kernels();
+const KernelTable& avx512_vnni_kernels();
+const KernelTable& avx512_bf16_kernels();
+const KernelTable& amx_kernels();
 
 }  // namespace tandem

@@ -1,0 +1,357 @@
+// The SIMD kernels of the AVX2 and AVX-512 variants, at 256-bit width. Each variant's source
+// includes this header and is compiled with its own flags, which select what the code uses:
+//   AVX2 + FMA + F16C     the base (VEX, 16 registers, 2 tokens per weight load in prefill);
+//   AVX-512 F/BW/VL/DQ    EVEX with 32 registers: 4 tokens per weight load;
+//   + AVX512_VNNI         vpdpbusd for the int8 dot products;
+//   + AVX512_BF16         vdpbf16ps for bf16 weights, against activations split into two bf16 parts.
+// Everything lives in an anonymous namespace: each variant's object has its own copy.
+// Integer formats use the sign trick: |x| (unsigned) times sign(w, x) (signed) through maddubs
+// (which cannot saturate because |x|, |w| <= 127) or vpdpbusd (which does not saturate): both give
+// exact int32 sums of 4 products, so the results agree bit for bit.
+#pragma once
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "tandem/kernels.h"
+
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define TANDEM_SIMD_VNNI 1
+#endif
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+#define TANDEM_SIMD_BF16 1
+#endif
+
+namespace tandem {
+namespace {
+
+constexpr int kPrefetch = 2048;  // bytes ahead in the weight stream
+#if defined(__AVX512F__)
+constexpr int kTokensPerLoad = 4;  // 16 accumulators fit the 32 registers
+#else
+constexpr int kTokensPerLoad = 2;
+#endif
+
+inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+inline float hmax(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    return _mm_cvtss_f32(m);
+}
+
+// acc + in each int32 lane the sum of its 4 products of unsigned a and signed b bytes.
+inline __m256i dot_u8s8(__m256i acc, __m256i a, __m256i b) {
+#if defined(TANDEM_SIMD_VNNI)
+    return _mm256_dpbusd_epi32(acc, a, b);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(a, b), _mm256_set1_epi16(1)));
+#endif
+}
+
+void quantize(const float* x, int cols, int8_t* q, float* s) {
+    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (int b = 0; b < cols / kBlock; ++b) {
+        const float* xb = x + b * kBlock;
+        __m256 v[4], m = _mm256_setzero_ps();
+        for (int k = 0; k < 4; ++k) {
+            v[k] = _mm256_loadu_ps(xb + 8 * k);
+            m = _mm256_max_ps(m, _mm256_and_ps(v[k], abs_mask));
+        }
+        float amax = hmax(m);
+        s[b] = amax / 127.f;
+        __m256 inv = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+        __m256i i[4];
+        for (int k = 0; k < 4; ++k)
+            i[k] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[k], inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + b * kBlock), _mm256_permutevar8x32_epi32(p, order));
+    }
+}
+
+// bf16 rows are read 16 values (32 bytes) at a time; `arrange` stores each 16-column chunk of x as
+// the 16 floats' worth of bytes that chunk's products need.
+constexpr int kChunk = 16;
+
+#if defined(TANDEM_SIMD_BF16)
+// vdpbf16ps multiplies bf16 pairs, so x is split into hi = bf16(x) and lo = bf16(x - hi), which
+// carry 16 of its 24 significant bits (relative error <= 2^-17, far below the weights' 2^-9): a
+// chunk holds its 16 hi values, then its 16 lo values, in column order (64 bytes, as 16 floats).
+// cols is a multiple of 16 (a bf16 weight block).
+void arrange(const float* x, int cols, float* out) {
+    for (int c = 0; c < cols; c += kChunk) {
+        const __m256 a = _mm256_loadu_ps(x + c), b = _mm256_loadu_ps(x + c + kChunk / 2);
+        const __m256bh hi = _mm256_cvtne2ps_pbh(b, a);  // columns 0-7 from a, 8-15 from b
+        const __m256i hi_bits = (__m256i)hi;
+        const __m256 a_hi = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(hi_bits)), 16));
+        const __m256 b_hi = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(hi_bits, 1)), 16));
+        const __m256bh lo = _mm256_cvtne2ps_pbh(_mm256_sub_ps(b, b_hi), _mm256_sub_ps(a, a_hi));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + c), hi_bits);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + c + kChunk / 2), (__m256i)lo);
+    }
+}
+
+// One 4-row tile of bf16 weights against one token: y[k] = dot(row r + k, x).
+void bf16_tile(const uint16_t* tile, int cols, const float* x, float* y) {
+    __m256 hi_acc[kTileRows], lo_acc[kTileRows];
+    for (int k = 0; k < kTileRows; ++k) hi_acc[k] = lo_acc[k] = _mm256_setzero_ps();
+    for (int c = 0; c < cols; c += kChunk, tile += kTileRows * kChunk) {
+        _mm_prefetch(reinterpret_cast<const char*>(tile) + kPrefetch, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(tile) + kPrefetch + 64, _MM_HINT_T0);
+        const __m256bh hi = (__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + c));
+        const __m256bh lo = (__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + c + kChunk / 2));
+        for (int k = 0; k < kTileRows; ++k) {
+            const __m256bh v = (__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + k * kChunk));
+            hi_acc[k] = _mm256_dpbf16_ps(hi_acc[k], v, hi);
+            lo_acc[k] = _mm256_dpbf16_ps(lo_acc[k], v, lo);
+        }
+    }
+    for (int k = 0; k < kTileRows; ++k) y[k] = hsum(_mm256_add_ps(hi_acc[k], lo_acc[k]));
+}
+#else
+// A shift gives a weight chunk's even columns as fp32 and a mask the odd ones, so a chunk of x is
+// stored as its 8 even then 8 odd values.
+void arrange(const float* x, int cols, float* out) {
+    int c = 0;
+    for (; c + kChunk <= cols; c += kChunk)
+        for (int j = 0; j < kChunk / 2; ++j) {
+            out[c + j] = x[c + 2 * j];
+            out[c + kChunk / 2 + j] = x[c + 2 * j + 1];
+        }
+    for (; c < cols; ++c) out[c] = x[c];
+}
+
+// One 4-row tile of bf16 weights against one token: y[k] = dot(row r + k, x).
+void bf16_tile(const uint16_t* tile, int cols, const float* x, float* y) {
+    const __m256i high = _mm256_set1_epi32(int(0xffff0000u));
+    __m256 even_acc[kTileRows], odd_acc[kTileRows];
+    for (int k = 0; k < kTileRows; ++k) even_acc[k] = odd_acc[k] = _mm256_setzero_ps();
+    for (int c = 0; c < cols; c += kChunk, tile += kTileRows * kChunk) {
+        _mm_prefetch(reinterpret_cast<const char*>(tile) + kPrefetch, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(tile) + kPrefetch + 64, _MM_HINT_T0);
+        const __m256 even = _mm256_loadu_ps(x + c), odd = _mm256_loadu_ps(x + c + kChunk / 2);
+        for (int k = 0; k < kTileRows; ++k) {
+            const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + k * kChunk));
+            even_acc[k] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_slli_epi32(v, 16)), even, even_acc[k]);
+            odd_acc[k] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_and_si256(v, high)), odd, odd_acc[k]);
+        }
+    }
+    for (int k = 0; k < kTileRows; ++k) y[k] = hsum(_mm256_add_ps(even_acc[k], odd_acc[k]));
+}
+#endif
+
+void matmul_bf16(const Matrix& w, int r0, int r1, const Activations& x, int n, float* y, int ldy) {
+    float out[kTileRows];
+    for (int r = r0; r < r1; r += kTileRows) {
+        const uint16_t* tile = reinterpret_cast<const uint16_t*>(block_at(w, r, 0));
+        for (int i = 0; i < n; ++i) {
+            bf16_tile(tile, w.cols, x.f + x.row(i) * x.cols, out);
+            for (int k = 0; k < kTileRows; ++k) y[int64_t(i) * ldy + (r - r0) + k] = out[k];
+        }
+    }
+}
+
+struct Int8Block {
+    static constexpr int kBytes = kBlock;
+    static __m256i load(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+};
+
+// One 32-byte int4 block (64 columns) -> two registers of 32 int8 weights: `lo` holds columns
+// 0-15 and 32-47, `hi` columns 16-31 and 48-63 (each 128-bit lane is one 32-column half).
+inline void load_int4(const uint8_t* p, __m256i& lo, __m256i& hi) {
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    const __m256i mask = _mm256_set1_epi8(0x0f);
+    const __m256i levels = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kInt4Levels)));
+    lo = _mm256_shuffle_epi8(levels, _mm256_and_si256(raw, mask));
+    hi = _mm256_shuffle_epi8(levels, _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask));
+}
+
+constexpr int kSpan = 64;  // blocks whose combined scales are prepared at once (2048 columns)
+
+// scale[k][j] = x scale of block b0 + j times the weight scale of its group in row r + k.
+void combined_scales(const Matrix& w, int r, int b0, int nb, const float* xs, float (*scale)[kSpan]) {
+    const int per_group = w.group / kBlock, groups = w.cols / w.group;
+    for (int k = 0; k < kTileRows; ++k) {
+        const uint16_t* ws = w.scales + int64_t(r + k) * groups;
+        int j = 0;
+        if (per_group == 1)
+            for (; j + 8 <= nb; j += 8) {
+                const __m256 wv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ws + b0 + j)));
+                _mm256_storeu_ps(scale[k] + j, _mm256_mul_ps(wv, _mm256_loadu_ps(xs + b0 + j)));
+            }
+        for (; j < nb; ++j) scale[k][j] = xs[b0 + j] * _cvtsh_ss(ws[(b0 + j) / per_group]);
+    }
+}
+
+// One 4-row tile of int8/int4 weights against N quantized tokens (N <= kTokensPerLoad; the tokens
+// share each weight load, for prefill): y[i * ldy + k] = dot(row r + k, token i).
+template <typename Block, int N>
+void int_tile(const Matrix& w, int r, const int8_t* const* xq, const float* const* xs, float* y, int ldy) {
+    const int blocks = w.cols / kBlock;
+    const uint8_t* tile = block_at(w, r, 0);
+    __m256 acc[N][kTileRows];
+    for (int i = 0; i < N; ++i)
+        for (int k = 0; k < kTileRows; ++k) acc[i][k] = _mm256_setzero_ps();
+    alignas(32) float scale[N][kTileRows][kSpan];
+    for (int b0 = 0; b0 < blocks; b0 += kSpan) {
+        const int nb = std::min(kSpan, blocks - b0);
+        for (int i = 0; i < N; ++i) combined_scales(w, r, b0, nb, xs[i], scale[i]);
+        for (int j = 0; j < nb; ++j, tile += kTileRows * Block::kBytes) {
+            for (int line = 0; line < kTileRows * Block::kBytes; line += 64)
+                _mm_prefetch(reinterpret_cast<const char*>(tile) + kPrefetch + line, _MM_HINT_T0);
+            __m256i xv[N], ax[N];
+            for (int i = 0; i < N; ++i) {
+                xv[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[i] + (b0 + j) * kBlock));
+                ax[i] = _mm256_sign_epi8(xv[i], xv[i]);
+            }
+            for (int k = 0; k < kTileRows; ++k) {
+                const __m256i wv = Block::load(tile + k * Block::kBytes);
+                for (int i = 0; i < N; ++i) {
+                    const __m256i dot = dot_u8s8(_mm256_setzero_si256(), ax[i], _mm256_sign_epi8(wv, xv[i]));
+                    acc[i][k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_broadcast_ss(&scale[i][k][j]), acc[i][k]);
+                }
+            }
+        }
+    }
+    for (int i = 0; i < N; ++i)
+        for (int k = 0; k < kTileRows; ++k) y[int64_t(i) * ldy + k] = hsum(acc[i][k]);
+}
+
+// Tokens i .. i + N - 1 against the 4-row tile at row r.
+template <typename Block, int N>
+void int_tokens(const Matrix& w, int r, const Activations& x, int i, float* y, int ldy) {
+    const int8_t* xq[N];
+    const float* xs[N];
+    for (int t = 0; t < N; ++t) {
+        xq[t] = x.q + x.row(i + t) * x.cols;
+        xs[t] = x.s + x.row(i + t) * (x.cols / kBlock);
+    }
+    int_tile<Block, N>(w, r, xq, xs, y + int64_t(i) * ldy, ldy);
+}
+
+template <typename Block>
+void int_rows(const Matrix& w, int r, const Activations& x, int n, float* y, int ldy) {
+    int i = 0;
+    for (; i + kTokensPerLoad <= n; i += kTokensPerLoad) int_tokens<Block, kTokensPerLoad>(w, r, x, i, y, ldy);
+    for (; i + 2 <= n; i += 2) int_tokens<Block, 2>(w, r, x, i, y, ldy);
+    if (i < n) int_tokens<Block, 1>(w, r, x, i, y, ldy);
+}
+
+template <typename Block>
+void matmul_int(const Matrix& w, int r0, int r1, const Activations& x, int n, float* y, int ldy) {
+    for (int r = r0; r < r1; r += kTileRows) int_rows<Block>(w, r, x, n, y + (r - r0), ldy);
+}
+
+// One 4-row tile of int4 weights against one quantized token (decode). Each 32-byte load gives
+// two 32-column halves; x is rearranged to match, so both halves reduce into one register whose
+// low lanes belong to the first half-block and high lanes to the second.
+void int4_tile(const Matrix& w, int r, const int8_t* xq, const float* xs, float* y) {
+    const int blocks = w.cols / kBlock;
+    const uint8_t* tile = block_at(w, r, 0);
+    __m256 acc[kTileRows];
+    for (int k = 0; k < kTileRows; ++k) acc[k] = _mm256_setzero_ps();
+    alignas(32) float scale[kTileRows][kSpan];
+    for (int b0 = 0; b0 < blocks; b0 += kSpan) {
+        const int nb = std::min(kSpan, blocks - b0);
+        combined_scales(w, r, b0, nb, xs, scale);
+        for (int j = 0; j < nb; j += 2, tile += kTileRows * kBlockBytes) {
+            _mm_prefetch(reinterpret_cast<const char*>(tile) + kPrefetch, _MM_HINT_T0);
+            _mm_prefetch(reinterpret_cast<const char*>(tile) + kPrefetch + 64, _MM_HINT_T0);
+            const __m256i xa = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + (b0 + j) * kBlock));
+            const __m256i xb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + (b0 + j + 1) * kBlock));
+            const __m256i xlo = _mm256_permute2x128_si256(xa, xb, 0x20), xhi = _mm256_permute2x128_si256(xa, xb, 0x31);
+            const __m256i alo = _mm256_sign_epi8(xlo, xlo), ahi = _mm256_sign_epi8(xhi, xhi);
+            for (int k = 0; k < kTileRows; ++k) {
+                __m256i lo, hi;
+                load_int4(tile + k * kBlockBytes, lo, hi);
+                const __m256i dot = dot_u8s8(dot_u8s8(_mm256_setzero_si256(), alo, _mm256_sign_epi8(lo, xlo)), ahi,
+                                             _mm256_sign_epi8(hi, xhi));
+                const __m256 s = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_broadcast_ss(&scale[k][j])),
+                                                      _mm_broadcast_ss(&scale[k][j + 1]), 1);
+                acc[k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), s, acc[k]);
+            }
+        }
+    }
+    for (int k = 0; k < kTileRows; ++k) y[k] = hsum(acc[k]);
+}
+
+// int4 against many tokens (prefill): each 4-row tile is expanded once to int8 in L1, then runs the
+// int8 kernel for every token, so the nibble unpacking is paid once per tile instead of per token.
+constexpr int kExpandMinTokens = 4;
+
+// The 4 rows of an int4 tile -> the same rows as int8 blocks, in the int8 packed layout.
+void expand_int4_tile(const uint8_t* src, int cols, uint8_t* dst) {
+    for (int b = 0; b < cols / (2 * kBlock); ++b)
+        for (int k = 0; k < kTileRows; ++k, src += kBlockBytes) {
+            __m256i lo, hi;
+            load_int4(src, lo, hi);
+            auto* out = reinterpret_cast<__m256i*>(dst);
+            _mm256_storeu_si256(out + (2 * b) * kTileRows + k, _mm256_permute2x128_si256(lo, hi, 0x20));
+            _mm256_storeu_si256(out + (2 * b + 1) * kTileRows + k, _mm256_permute2x128_si256(lo, hi, 0x31));
+        }
+}
+
+void matmul_int4(const Matrix& w, int r0, int r1, const Activations& x, int n, float* y, int ldy) {
+    const int blocks = x.cols / kBlock, groups = w.cols / w.group;
+    if (n < kExpandMinTokens) {
+        for (int r = r0; r < r1; r += kTileRows)
+            for (int i = 0; i < n; ++i)
+                int4_tile(w, r, x.q + x.row(i) * x.cols, x.s + x.row(i) * blocks, y + int64_t(i) * ldy + (r - r0));
+        return;
+    }
+    thread_local std::vector<uint8_t> expanded;
+    expanded.resize(size_t(kTileRows) * w.cols);
+    for (int r = r0; r < r1; r += kTileRows) {
+        expand_int4_tile(block_at(w, r, 0), w.cols, expanded.data());
+        Matrix tile = w;  // the 4 rows as an int8 matrix of their own
+        tile.data = expanded.data();
+        tile.scales = w.scales + int64_t(r) * groups;
+        tile.rows = kTileRows;
+        tile.format = Format::INT8;
+        int_rows<Int8Block>(tile, 0, x, n, y + (r - r0), ldy);
+    }
+}
+
+// exp(x) for x in [-87, 88]: 2^n * p(r) with x = n ln2 + r, |r| <= ln2 / 2 (Cephes' polynomial,
+// about 1 ulp); inputs outside are clamped, which silu tolerates (the result saturates).
+inline __m256 exp_ps(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.f)), _mm256_set1_ps(88.f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    for (float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
+        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+    p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+    const __m256i pow2 = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(pow2));
+}
+
+void silu_mul(const float* gate_up, int intermediate, float* h) {
+    const float* up = gate_up + intermediate;
+    int j = 0;
+    for (; j + 8 <= intermediate; j += 8) {
+        const __m256 g = _mm256_loadu_ps(gate_up + j);
+        const __m256 s = _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.f), exp_ps(_mm256_sub_ps(_mm256_setzero_ps(), g))));
+        _mm256_storeu_ps(h + j, _mm256_mul_ps(s, _mm256_loadu_ps(up + j)));
+    }
+    for (; j < intermediate; ++j) h[j] = gate_up[j] / (1.f + std::exp(-gate_up[j])) * up[j];
+}
+
+// The kernel table of the including variant.
+KernelTable simd_table(const char* name) {
+    return {name, {matmul_bf16, matmul_int<Int8Block>, matmul_int4}, quantize, arrange, silu_mul};
+}
+
+}  // namespace
+}  // namespace tandem

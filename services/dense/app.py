@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import threading
 from concurrent import futures
 from dataclasses import dataclass
 
@@ -62,14 +63,25 @@ def kv_blocks(cfg: DenseConfig, model) -> int:
     return blocks
 
 
+def watch_experts(health_servicer, experts, stop: threading.Event, period_s: float = 2.0) -> None:
+    """Keeps this service's health NOT_SERVING while any of its expert servers is not serving."""
+    check = getattr(experts, "serving", None)
+    while check is not None and not stop.wait(period_s):
+        status = health_pb2.HealthCheckResponse.SERVING if check() else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", SERVICE):
+            health_servicer.set(name, status)
+
+
 @dataclass
 class RunningDense:
     server: grpc.Server
     engine: Engine
     port: int
     experts: object
+    stopping: threading.Event
 
     def stop(self, grace: float | None = None) -> None:
+        self.stopping.set()
         self.server.stop(grace).wait()
         self.engine.stop()
         if self.experts is not None:
@@ -97,4 +109,6 @@ def start(cfg: DenseConfig, experts=None) -> RunningDense:
     server.start()
     for name in ("", SERVICE):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    return RunningDense(server, engine, port, experts)
+    stopping = threading.Event()
+    threading.Thread(target=watch_experts, args=(health_servicer, experts, stopping), daemon=True).start()
+    return RunningDense(server, engine, port, experts, stopping)

@@ -125,4 +125,10 @@ class DenseServicer(pb_grpc.DenseServiceServicer):
             device=info.device, expert_servers=info.expert_servers, experts=info.experts, vocab_size=cfg.vocab_size,
             kv_cache_tokens=self.engine.pool.num_blocks * self.engine.pool.block_size,
             chat_template=self.tokenizer.chat_template, eos_token_ids=self.tokenizer.eos_token_ids,
+            bos_token=self.tokenizer.special_token("bos_token"), eos_token=self.tokenizer.special_token("eos_token"),
         )
+
+    def GetStats(self, request, context):
+        e = self.engine
+        return pb.GetStatsResponse(running=len(e.running), waiting=len(e.waiting), kv_blocks_used=e.blocks_in_use,
+                                   kv_blocks_total=e.pool.num_blocks)

@@ -62,6 +62,12 @@ class Tokenizer:
         path = model_dir / "chat_template.jinja"
         return path.read_text() if path.is_file() else ""
 
+    def special_token(self, name: str) -> str:
+        """tokenizer_config.json's bos_token / eos_token as text ("" when absent)."""
+        value = self.config.get(name)
+        value = value.get("content") if isinstance(value, dict) else value
+        return value if isinstance(value, str) else ""
+
     def token_text(self, token_id: int) -> str:
         """One token's own text (for logprobs)."""
         return self._tok.decode([token_id], skip_special_tokens=False)

@@ -94,6 +94,16 @@ class ExpertServerClient:
             self.use_shm = False
             return InlineTransport(self.stub, self.rc.timeout_s)
 
+    def serving(self, timeout_s: float = 1.0) -> bool:
+        """Whether the server answers its grpc.health.v1 check with SERVING."""
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        try:
+            status = health_pb2_grpc.HealthStub(self.channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
+        except grpc.RpcError:
+            return False
+        return status.status == health_pb2.HealthCheckResponse.SERVING
+
     def close(self) -> None:
         if self._transport is not None:
             self._transport.close()
@@ -143,6 +153,9 @@ class RemoteExperts(ExpertBackend):
         if transport is None:
             return inner
         return transport.wait(inner)
+
+    def serving(self) -> bool:
+        return all(server.serving() for server in self.servers)
 
     def close(self) -> None:
         for server in self.servers:

@@ -1,0 +1,50 @@
+"""python -m gateway --dense HOST:PORT [--host H --port P --api-key K]
+
+The one place flags are read. SIGTERM (uvicorn's) stops accepting, lets in-flight requests finish
+within --drain-seconds, then exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+import uvicorn
+
+from gateway.app import build_app
+from gateway.config import GatewayConfig
+from services.common.errors import ConfigError
+
+
+def config(argv: list[str]) -> GatewayConfig:
+    p = argparse.ArgumentParser(prog="python -m gateway", description="OpenAI-compatible HTTP gateway.")
+    p.add_argument("--dense", default="127.0.0.1:50051", help="the dense service's gRPC address")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=os.environ.get("TANDEM_API_KEY"),
+                   help="require this bearer key (default: $TANDEM_API_KEY; none: open)")
+    p.add_argument("--max-body-bytes", type=int, default=4 << 20)
+    p.add_argument("--drain-seconds", type=float, default=30.0)
+    a = p.parse_args(argv)
+    return GatewayConfig(dense=a.dense, host=a.host, port=a.port, api_key=a.api_key or None,
+                         max_body_bytes=a.max_body_bytes, drain_s=a.drain_seconds)
+
+
+def main(argv: list[str]) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        cfg = config(argv)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    shown = {k: ("***" if k == "api_key" and v else v) for k, v in vars(cfg).items()}
+    print(f"gateway config: {shown}", file=sys.stderr, flush=True)
+    uvicorn.run(build_app(cfg), host=cfg.host, port=cfg.port, timeout_graceful_shutdown=int(cfg.drain_s),
+                log_level="info")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,25 @@
+"""The gateway's one frozen configuration, built in __main__ from flags."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.common.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    dense: str = "127.0.0.1:50051"  # the dense service's gRPC address
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None  # when set, /v1/* and /tokenize, /detokenize need "Authorization: Bearer <key>"
+    max_body_bytes: int = 4 << 20
+    max_n: int = 16
+    drain_s: float = 30.0  # SIGTERM: how long in-flight requests may take to finish
+    retry_after_s: int = 1  # told to clients when the dense service is full
+
+    def __post_init__(self):
+        if not 0 <= self.port < 65536:
+            raise ConfigError(f"--port: {self.port} is not a port")
+        if self.max_body_bytes < 1024:
+            raise ConfigError(f"--max-body-bytes: must be >= 1024, got {self.max_body_bytes}")

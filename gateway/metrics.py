@@ -1,0 +1,34 @@
+"""Prometheus metrics, named after vLLM's (`vllm:` -> `tandem:`), in a registry of the app's own."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+PREFIX = "tandem:"
+_LATENCY = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+            80.0)
+
+
+class Metrics:
+    def __init__(self):
+        r = self.registry = CollectorRegistry()
+        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Time to first token", registry=r,
+                              buckets=_LATENCY)
+        self.itl = Histogram(PREFIX + "inter_token_latency_seconds", "Time between output tokens", registry=r,
+                             buckets=_LATENCY)
+        self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "Request latency, end to end", registry=r,
+                             buckets=_LATENCY)
+        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens processed", registry=r)
+        self.generation_tokens = Counter(PREFIX + "generation_tokens", "Tokens generated", registry=r)
+        self.finished = Counter(PREFIX + "request_success", "Finished requests by finish reason",
+                                ["finished_reason"], registry=r)
+        self.disconnects = Counter(PREFIX + "client_disconnects", "Requests whose client went away", registry=r)
+        self.running = Gauge(PREFIX + "num_requests_in_flight", "Requests the gateway is serving", registry=r)
+        self.engine_running = Gauge(PREFIX + "num_requests_running", "Sequences the engine is decoding", registry=r)
+        self.engine_waiting = Gauge(PREFIX + "num_requests_waiting", "Requests waiting for KV cache", registry=r)
+        self.kv_usage = Gauge(PREFIX + "kv_cache_usage_perc", "Fraction of KV cache blocks in use", registry=r)
+
+    def engine(self, stats) -> None:
+        self.engine_running.set(stats.running)
+        self.engine_waiting.set(stats.waiting)
+        self.kv_usage.set(stats.kv_blocks_used / stats.kv_blocks_total if stats.kv_blocks_total else 0.0)

@@ -16,14 +16,11 @@ from pathlib import Path
 
 import torch
 
+from services.launcher.default_model import corpus, write_tokenizer
+
 CACHE_ROOT = Path(__file__).resolve().parent.parent / ".cache" / "tiny-models"
 SEED = 1234
 VOCAB = 512
-SPECIAL_TOKENS = ["<|bos|>", "<|eos|>", "<|pad|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
-)
 
 _COMMON = dict(
     vocab_size=VOCAB,
@@ -150,42 +147,8 @@ def _perturb_router_bias(model: torch.nn.Module) -> None:
 
 
 def _corpus() -> list[str]:
-    import codecs
-    import contextlib
-    import io
-
-    with contextlib.redirect_stdout(io.StringIO()):
-        import this  # the Zen of Python: a text every interpreter carries
-    zen = codecs.decode(this.s, "rot13")
-    extra = [
-        "The quick brown fox jumps over the lazy dog. " * 3,
-        "Mixture-of-Experts models route each token to a few experts.",
-        "Größe, café, naïve, déjà vu. Привет мир. こんにちは世界. 你好，世界。 🙂🚀",
-        "def forward(x):\n    return x * 2\n",
-        "1 2 3 4 5 6 7 8 9 10 100 1000",
-    ]
-    return [zen] + extra
+    return corpus()
 
 
 def _write_tokenizer(out: Path) -> None:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB, special_tokens=SPECIAL_TOKENS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(_corpus(), trainer)
-    tok.save(str(out / "tokenizer.json"))
-    config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": "<|bos|>",
-        "eos_token": "<|eos|>",
-        "pad_token": "<|pad|>",
-        "add_bos_token": False,
-        "chat_template": CHAT_TEMPLATE,
-        "model_max_length": 256,
-    }
-    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    write_tokenizer(out, VOCAB, 256)

@@ -8,7 +8,14 @@ NATIVE_SOURCES := $(shell find native -name '*.cpp' -o -name '*.h') setup.py
 PROTOS := $(shell find protos -name '*.proto')
 PROTO_STAMP := tandem/.generated
 
-.PHONY: test setup native protos clean
+.PHONY: test setup native protos serve clean
+
+# `make serve`: the whole stack on this host (MODEL=dir, PORT=8000, FORMAT=bf16|int8|int4, DTYPE=float32|bfloat16)
+MODEL ?=
+PORT ?= 8000
+FORMAT ?=
+DTYPE ?=
+SERVE_ARGS := $(if $(MODEL),--model $(MODEL)) --port $(PORT) $(if $(FORMAT),--format $(FORMAT)) $(if $(DTYPE),--dtype $(DTYPE))
 
 setup: $(NATIVE_STAMP) $(PROTO_STAMP)
 
@@ -31,6 +38,9 @@ $(PROTO_STAMP): $(STAMP) $(PROTOS)
 	touch $(PROTO_STAMP)
 
 protos: $(PROTO_STAMP)
+
+serve: setup
+	$(VENV)/bin/tandem serve $(SERVE_ARGS)
 
 test: setup
 	$(PY) -m pytest $(PYTEST_ARGS)

@@ -1,0 +1,90 @@
+"""tandem serve: the whole stack on one host (expert server, dense service, gateway), co-located over
+shared memory, each in its own process; ready when all three are healthy; Ctrl-C stops all three.
+
+    tandem serve [--model DIR] [--port 8000] [--format int4] [--dtype float32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from services.common.errors import ConfigError
+from services.common.expert_weights import FORMATS, default_threads
+from services.dense.runtime import DTYPES
+from services.launcher.processes import Stack
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    model: Path | None  # None: the built-in default model
+    host: str = "127.0.0.1"
+    port: int = 8000
+    format: str = "int4"
+    dtype: str = "float32"
+    threads: int = 1
+    api_key: str | None = None
+    startup_timeout_s: float = 600.0
+
+
+def machine_defaults() -> tuple[str, str]:
+    """(dtype, format): bfloat16 on a GPU; float32 on a CPU (exact, and the tiny default model is
+    cheap); int4 experts (the smallest, so the most experts fit in RAM)."""
+    return ("bfloat16" if torch.cuda.is_available() else "float32"), "int4"
+
+
+def parse(argv: list[str]) -> LaunchConfig:
+    dtype, fmt = machine_defaults()
+    p = argparse.ArgumentParser(prog="tandem", description="Tandem: serve a MoE model on one GPU plus a CPU.")
+    sub = p.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("serve", help="start expert server, dense service and gateway on this host")
+    s.add_argument("--model", type=Path, help="Hugging Face checkpoint directory (default: the built-in model)")
+    s.add_argument("--host", default="127.0.0.1", help="the gateway's address")
+    s.add_argument("--port", type=int, default=8000, help="the gateway's port")
+    s.add_argument("--format", choices=list(FORMATS), default=fmt, help=f"expert format (default here: {fmt})")
+    s.add_argument("--dtype", choices=list(DTYPES), default=dtype, help=f"dense dtype (default here: {dtype})")
+    s.add_argument("--threads", type=int, default=default_threads(), help="expert kernel threads")
+    s.add_argument("--api-key", help="require this bearer key at the gateway")
+    a = p.parse_args(argv)
+    if a.model is not None and not (a.model / "config.json").is_file():
+        raise ConfigError(f"--model: {a.model} has no config.json (a Hugging Face checkpoint directory is needed)")
+    return LaunchConfig(a.model, a.host, a.port, a.format, a.dtype, a.threads, a.api_key)
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        cfg = parse(sys.argv[1:] if argv is None else argv)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if cfg.model is None:
+        from services.launcher.default_model import default_model
+
+        print("tandem: using the built-in default model (a small random-weight DeepSeek-V3 architecture)", flush=True)
+        cfg = LaunchConfig(default_model(), cfg.host, cfg.port, cfg.format, cfg.dtype, cfg.threads, cfg.api_key)
+    print(f"tandem: {cfg}", flush=True)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stack = Stack(cfg)
+    try:
+        stack.start(stop)
+        if not stop.is_set():
+            stack.announce()
+            stack.watch(stop)
+    except RuntimeError as exc:
+        print(f"tandem: {exc}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        stack.stop()
+    return 0 if stack.clean_exit else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

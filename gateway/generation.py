@@ -136,6 +136,9 @@ class Runner:
                     clock.tick(item)
                     yield item
             clock.done()
+        except (GeneratorExit, asyncio.CancelledError):
+            self.metrics.disconnects.inc()  # the client went away mid-stream
+            raise
         finally:
             self.metrics.running.dec()
             for task in tasks:

@@ -30,7 +30,7 @@ class Output:
         return self.finish_reason is not None or self.error is not None
 
 
-@dataclass
+@dataclass(eq=False)  # identity: the engine finds requests in its lists by the object, not its fields
 class Request:
     request_id: str
     prompt: list[int]

@@ -1,0 +1,38 @@
+"""A dense service and a gateway in this process, on free ports, for the gateway tests."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+
+import uvicorn
+
+from gateway.app import build_app
+from gateway.config import GatewayConfig
+from services.dense.app import start
+from services.dense.config import DenseConfig
+from services.dense.runtime import DenseRuntime
+
+
+def dense(path, experts=None, **kw):
+    cfg = DenseConfig(model=path, runtime=DenseRuntime("float32", "cpu"), experts="native", expert_format="int8",
+                      threads=2, listen="127.0.0.1:0", **{"kv_tokens": 4096, **kw})
+    return start(cfg, experts)
+
+
+@contextlib.contextmanager
+def gateway(dense_port: int, **kw):
+    """Yields (base URL, app) of a gateway served by uvicorn in a thread."""
+    app = build_app(GatewayConfig(dense=f"127.0.0.1:{dense_port}", port=0, **kw))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.01)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}", app
+    finally:
+        server.should_exit = True
+        thread.join(10)

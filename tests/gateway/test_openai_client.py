@@ -1,0 +1,131 @@
+"""The gateway through the official openai client: what an OpenAI user does, answered as OpenAI does."""
+
+import pytest
+import torch
+
+from gateway.chat_template import render
+from services.dense.generate import generate
+from services.dense.loader import open_checkpoint
+from services.dense.sampling import SamplingParams
+from services.dense.tokenizer import Tokenizer
+from tests.checkpoints import checkpoint
+from tests.conftest import load_fp32
+from tests.gateway.servers import dense, gateway
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("tandem_native")
+pytestmark = pytest.mark.native
+
+PATH = checkpoint("qwen3_moe")
+MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a fox."}]
+
+
+@pytest.fixture(scope="module")
+def stack():
+    running = dense(PATH)
+    with gateway(running.port) as (url, app):
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        model = client.models.list().data[0].id
+        yield client, model, running
+    running.stop(1)
+
+
+def test_models_lists_the_served_model(stack):
+    client, model, _ = stack
+    assert model == PATH.name
+
+
+def test_chat_greedy_text_equals_the_in_process_reference(stack):
+    from services.dense.moe.native import NativeExperts
+
+    client, model, _ = stack
+    reply = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=16, temperature=0)
+    tok = Tokenizer(PATH)
+    prompt = tok.encode(render(tok.chat_template, MESSAGES, "<|bos|>", "<|eos|>"), add_special_tokens=False)
+    ckpt, cfg = open_checkpoint(PATH)
+    local, _ = load_fp32(PATH, NativeExperts(cfg, ckpt, "int8", threads=2))
+    expected = generate(local, prompt, SamplingParams(temperature=0, max_tokens=16), tok.eos_token_ids, tok)
+    assert reply.choices[0].message.content == expected.text
+    assert reply.choices[0].finish_reason == expected.finish_reason
+    assert reply.usage.prompt_tokens == len(prompt) and reply.usage.completion_tokens == len(expected.tokens)
+
+
+def test_chat_template_renders_as_transformers_does():
+    from transformers import AutoTokenizer
+
+    tok = Tokenizer(PATH)
+    ours = render(tok.chat_template, MESSAGES, "<|bos|>", "<|eos|>", add_generation_prompt=True)
+    theirs = AutoTokenizer.from_pretrained(PATH).apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
+    assert ours == theirs
+
+
+def test_chat_streaming_role_first_finish_last_usage_then_done(stack):
+    client, model, _ = stack
+    stream = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=10, temperature=0, stream=True,
+                                            stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert len({c.id for c in chunks}) == 1
+    assert chunks[0].choices[0].delta.role == "assistant"
+    finals = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert [c.choices[0].finish_reason for c in finals] == ["length"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    whole = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=10, temperature=0)
+    assert text == whole.choices[0].message.content
+
+
+def test_completions_with_text_and_token_ids_streaming_or_not(stack):
+    client, model, _ = stack
+    whole = client.completions.create(model=model, prompt="The quick brown", max_tokens=8, temperature=0)
+    ids = Tokenizer(PATH).encode("The quick brown")
+    by_ids = client.completions.create(model=model, prompt=ids, max_tokens=8, temperature=0)
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=model, prompt="The quick brown", max_tokens=8, temperature=0, stream=True) if c.choices)
+    assert whole.choices[0].text == by_ids.choices[0].text == streamed
+    assert whole.usage.total_tokens == whole.usage.prompt_tokens + 8
+
+
+def test_n_choices_and_seeds(stack):
+    client, model, _ = stack
+    kw = dict(model=model, messages=MESSAGES, max_tokens=12, temperature=1.0, n=3)
+    first = client.chat.completions.create(seed=11, **kw)
+    again = client.chat.completions.create(seed=11, **kw)
+    other = client.chat.completions.create(seed=12, **kw)
+    texts = [c.message.content for c in first.choices]
+    assert sorted(c.index for c in first.choices) == [0, 1, 2] and len(set(texts)) > 1
+    assert texts == [c.message.content for c in again.choices]
+    assert texts != [c.message.content for c in other.choices]
+    assert first.usage.completion_tokens == 36
+
+
+def test_stop_strings_cut_the_text(stack):
+    client, model, _ = stack
+    text = client.completions.create(model=model, prompt="The quick brown", max_tokens=16, temperature=0).choices[0].text
+    stop = text[3:5]
+    cut = client.completions.create(model=model, prompt="The quick brown", max_tokens=16, temperature=0, stop=[stop])
+    assert cut.choices[0].text == text[:text.find(stop)] and cut.choices[0].finish_reason == "stop"
+
+
+def test_logprobs_in_chat_and_completions(stack):
+    client, model, _ = stack
+    chat = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=5, temperature=0, logprobs=True,
+                                          top_logprobs=3)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 5 and all(len(t.top_logprobs) == 3 for t in content)
+    assert all(t.logprob == pytest.approx(t.top_logprobs[0].logprob) for t in content)  # greedy: the top one
+    comp = client.completions.create(model=model, prompt="The quick", max_tokens=4, temperature=0, logprobs=2)
+    lp = comp.choices[0].logprobs
+    assert len(lp.tokens) == 4 and len(lp.token_logprobs) == 4 and all(len(t) <= 2 for t in lp.top_logprobs)
+
+
+def test_extra_body_parameters_reach_the_sampler(stack):
+    client, model, _ = stack
+    base = client.completions.create(model=model, prompt="The quick", max_tokens=12, temperature=0)
+    tok = Tokenizer(PATH)
+    first = tok.encode(base.choices[0].text, add_special_tokens=False)[0]
+    barred = client.completions.create(model=model, prompt="The quick", max_tokens=12, temperature=0,
+                                       extra_body={"stop_token_ids": [first], "min_tokens": 12, "top_k": 1,
+                                                   "repetition_penalty": 1.0, "ignore_eos": True})
+    assert barred.choices[0].finish_reason == "length" and barred.usage.completion_tokens == 12
+    assert not torch.equal(torch.tensor(tok.encode(barred.choices[0].text, add_special_tokens=False)[:1]),
+                           torch.tensor([first]))

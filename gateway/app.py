@@ -101,6 +101,11 @@ def _install_errors(app: FastAPI) -> None:
     async def http_error(request: Request, exc: StarletteHTTPException):
         return ApiError(exc.status_code, str(exc.detail)).response()
 
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception):
+        log.exception("unexpected error")
+        return ApiError(500, f"internal error: {type(exc).__name__}").response()
+
     @app.exception_handler(grpc.aio.AioRpcError)
     async def dense_error(request: Request, exc: grpc.aio.AioRpcError):
         return from_grpc(exc, request.app.state.config.retry_after_s).response()

@@ -11,6 +11,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import grpc
+from typing import Annotated
+
 from pydantic import BaseModel, ConfigDict, Field
 
 from gateway.errors import ApiError, from_grpc
@@ -19,6 +21,9 @@ from tandem.v1 import dense_pb2 as pb
 
 log = logging.getLogger(__name__)
 FINISH = {pb.STOP: "stop", pb.LENGTH: "length", pb.ABORT: "abort"}
+INT32 = 2**31  # the dense protocol's integer fields hold 32 bits
+TokenId = Annotated[int, Field(ge=0, lt=INT32)]
+Count = Annotated[int, Field(ge=1, lt=INT32)]
 
 
 class StreamOptions(BaseModel):
@@ -31,8 +36,8 @@ class SamplingFields(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     model: str
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: Count | None = None
+    max_completion_tokens: Count | None = None
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     n: int = Field(1, ge=1, le=16)
@@ -43,12 +48,12 @@ class SamplingFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    top_k: int | None = Field(None, ge=-1)
+    top_k: int | None = Field(None, ge=-1, lt=INT32)
     min_p: float | None = Field(None, ge=0, le=1)
     repetition_penalty: float | None = Field(None, gt=0)
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
-    min_tokens: int = Field(0, ge=0)
+    min_tokens: int = Field(0, ge=0, lt=INT32)
     logit_bias: dict[str, float] | None = None
 
     def check_supported(self) -> None:

@@ -7,11 +7,11 @@ from typing import Literal
 from pydantic import BaseModel, Field
 
 from gateway.chat.schemas import Usage
-from gateway.generation import SamplingFields
+from gateway.generation import SamplingFields, TokenId
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
     suffix: str | None = None

@@ -5,7 +5,8 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, Field
 
-from gateway.errors import ERROR_RESPONSES, ApiError
+from gateway.errors import ERROR_RESPONSES
+from gateway.generation import TokenId
 
 router = APIRouter()
 
@@ -24,7 +25,7 @@ class TokenizeResponse(BaseModel):
 
 class DetokenizeRequest(BaseModel):
     model: str | None = None
-    tokens: list[int] = Field(max_length=1 << 20)
+    tokens: list[TokenId] = Field(max_length=1 << 20)
 
 
 class DetokenizeResponse(BaseModel):
@@ -43,6 +44,4 @@ async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
 async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
     app = request.app.state
     await app.check_model(body.model)
-    if any(t < 0 for t in body.tokens):
-        raise ApiError(400, "tokens: token ids must be >= 0", "tokens")
     return DetokenizeResponse(prompt=await app.call(app.client.detokenize(body.tokens)))

@@ -21,6 +21,9 @@ from services.dense.runtime import DTYPES
 from services.launcher.processes import Stack
 
 
+DEFAULT_NAME = "tandem-default"
+
+
 @dataclass(frozen=True)
 class LaunchConfig:
     model: Path | None  # None: the built-in default model
@@ -30,6 +33,7 @@ class LaunchConfig:
     dtype: str = "float32"
     threads: int = 1
     api_key: str | None = None
+    served_model_name: str = ""  # "": the model directory's name
     startup_timeout_s: float = 600.0
 
 
@@ -67,7 +71,8 @@ def main(argv: list[str] | None = None) -> int:
         from services.launcher.default_model import default_model
 
         print("tandem: using the built-in default model (a small random-weight DeepSeek-V3 architecture)", flush=True)
-        cfg = LaunchConfig(default_model(), cfg.host, cfg.port, cfg.format, cfg.dtype, cfg.threads, cfg.api_key)
+        cfg = LaunchConfig(default_model(), cfg.host, cfg.port, cfg.format, cfg.dtype, cfg.threads, cfg.api_key,
+                           served_model_name=DEFAULT_NAME)
     print(f"tandem: {cfg}", flush=True)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -105,7 +105,8 @@ class Stack:
         wait_until(lambda: grpc_serving(expert_port), expert, timeout, stop)
         dense = self._spawn("dense", "services.dense", [
             "--model", str(c.model), "--dtype", c.dtype, "--experts", "remote", "--transport", "shm",
-            "--expert-servers", f"127.0.0.1:{expert_port}", "--listen", "127.0.0.1:0"])
+            "--expert-servers", f"127.0.0.1:{expert_port}", "--listen", "127.0.0.1:0",
+            "--served-model-name", c.served_model_name])
         dense_port = dense.wait_port(timeout, stop)
         wait_until(lambda: grpc_serving(dense_port), dense, timeout, stop)
         args = ["--dense", f"127.0.0.1:{dense_port}", "--host", c.host, "--port", str(c.port)]

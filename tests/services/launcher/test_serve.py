@@ -62,8 +62,8 @@ def test_tandem_serve_answers_like_the_in_process_reference_and_stops_cleanly():
         assert ready.wait(300), "".join(lines[-30:])
         assert any("curl http://127.0.0.1:%d/v1/chat/completions" % port in x for x in lines)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
-        model = client.models.list().data[0].id
-        reply = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=20, temperature=0)
+        assert client.models.list().data[0].id == "tandem-default"
+        reply = client.chat.completions.create(model="tandem-default", messages=MESSAGES, max_tokens=20, temperature=0)
         assert reply.choices[0].message.content == reference_text(path, "int8", 20)
         pids = [int(m.group(1)) for x in lines for m in [re.search(r"pid (\d+)", x)] if m]
     finally:

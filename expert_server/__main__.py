@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 import threading
@@ -14,6 +15,7 @@ from pathlib import Path
 
 from expert_server import store
 from expert_server.config import ServerConfig, parse_layers
+from services.common import telemetry
 from services.common.errors import TandemError
 from services.common.expert_weights import DEFAULT_GROUP_SIZE, FORMATS, default_threads
 
@@ -56,6 +58,7 @@ def serve(args: argparse.Namespace) -> int:
         tls_cert=args.tls_cert, tls_key=args.tls_key, echo=args.echo, drain_s=args.drain_seconds,
     )
     print(f"expert server config: {cfg}", file=sys.stderr, flush=True)
+    telemetry.setup("tandem-expert-server", telemetry.TracingConfig.from_env(os.environ))
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
@@ -65,6 +68,7 @@ def serve(args: argparse.Namespace) -> int:
         pass
     print("expert server draining", file=sys.stderr, flush=True)
     running.stop(cfg.drain_s)
+    telemetry.shutdown()
     return 0
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 import threading
 from concurrent import futures
 
@@ -18,9 +19,11 @@ from grpc_reflection.v1alpha import reflection
 from expert_server.config import ServerConfig
 from expert_server.executor import ExpertExecutor
 from expert_server.shm_session import ShmSession
+from expert_server.tracing import CallTracer
 from services.common import shm_layout as shm
 from services.common import wire
 from services.common.errors import InvalidRequestError, TandemError
+from services.common.grpc_status import abort
 from tandem.v1 import expert_pb2 as pb
 from tandem.v1 import expert_pb2_grpc as pb_grpc
 
@@ -60,17 +63,19 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
 
     def Compute(self, request_iterator, context):
         ex = self._serving(context)
+        calls = CallTracer(max(ex.layers))
         for req in request_iterator:
             try:
                 x = wire.decode("x", req.x, (pb.FLOAT32, pb.BFLOAT16), 2)
                 ids = wire.decode("ids", req.ids, (pb.INT64,), 2)
                 weights = wire.decode("weights", req.weights, (pb.FLOAT32,), 2)
+                start = time.time_ns()
                 out = ex.compute(req.layer, x, ids, weights, bf16=req.x.dtype == pb.BFLOAT16)
-            except InvalidRequestError as exc:
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+                end = time.time_ns()
             except TandemError as exc:
-                context.abort(grpc.StatusCode.INTERNAL, str(exc))
-            yield pb.ComputeResponse(out=wire.encode(out, req.x.dtype))
+                abort(context, exc)
+            calls.record(req.traceparent, req.trace_each, req.layer, x.shape[0], start, end)
+            yield pb.ComputeResponse(out=wire.encode(out, req.x.dtype), compute_s=(end - start) / 1e9)
             if self.draining.is_set():
                 return
 

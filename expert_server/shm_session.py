@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
 import numpy as np
 
 from expert_server.executor import ExpertExecutor
+from expert_server.tracing import CallTracer
 from services.common import shm_layout as shm
 from services.common.errors import InvalidRequestError
 
@@ -29,6 +31,7 @@ class ShmSession:
         self.segment, self.executor = segment, executor
         self.max_tokens, self.spin_us = max_tokens, spin_us
         self._stop = threading.Event()
+        self.calls = CallTracer(max(executor.layers))
         self._stopping = threading.Lock()
         self._seen = tandem_native.doorbell_load(segment.mm, shm.REQUEST_SEQ)
         self._thread = threading.Thread(target=self._serve, name=f"shm-{segment.name}", daemon=True)
@@ -61,8 +64,12 @@ class ShmSession:
 
     def _answer(self) -> None:
         try:
-            self._compute(self.segment.read_request())
-            self.segment.write_response(OK)
+            req = self.segment.read_request()
+            start = time.time_ns()
+            self._compute(req)
+            end = time.time_ns()
+            self.segment.write_response(OK, compute_s=(end - start) / 1e9)
+            self.calls.record(*self.segment.read_trace(), req.layer, req.tokens, start, end)
         except InvalidRequestError as exc:
             self.segment.write_response(INVALID_ARGUMENT, str(exc))
         except RuntimeError as exc:

@@ -15,7 +15,9 @@ import uvicorn
 
 from gateway.app import build_app
 from gateway.config import GatewayConfig
+from services.common import telemetry
 from services.common.errors import ConfigError
+from services.common.telemetry import TracingConfig
 
 
 def config(argv: list[str]) -> GatewayConfig:
@@ -29,7 +31,8 @@ def config(argv: list[str]) -> GatewayConfig:
     p.add_argument("--drain-seconds", type=float, default=30.0)
     a = p.parse_args(argv)
     return GatewayConfig(dense=a.dense, host=a.host, port=a.port, api_key=a.api_key or None,
-                         max_body_bytes=a.max_body_bytes, drain_s=a.drain_seconds)
+                         max_body_bytes=a.max_body_bytes, drain_s=a.drain_seconds,
+                         tracing=TracingConfig.from_env(os.environ))
 
 
 def main(argv: list[str]) -> int:
@@ -41,8 +44,10 @@ def main(argv: list[str]) -> int:
         return 2
     shown = {k: ("***" if k == "api_key" and v else v) for k, v in vars(cfg).items()}
     print(f"gateway config: {shown}", file=sys.stderr, flush=True)
+    telemetry.setup("tandem-gateway", cfg.tracing)
     uvicorn.run(build_app(cfg), host=cfg.host, port=cfg.port, timeout_graceful_shutdown=int(cfg.drain_s),
                 log_level="info")
+    telemetry.shutdown()
     return 0
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from services.common.errors import ConfigError
+from services.common.telemetry import TracingConfig
 
 
 @dataclass(frozen=True)
@@ -17,6 +18,7 @@ class GatewayConfig:
     max_n: int = 16
     drain_s: float = 30.0  # SIGTERM: how long in-flight requests may take to finish
     retry_after_s: int = 1  # told to clients when the dense service is full
+    tracing: TracingConfig = TracingConfig()
 
     def __post_init__(self):
         if not 0 <= self.port < 65536:

@@ -47,9 +47,9 @@ class DenseClient:
     async def stats(self) -> pb.GetStatsResponse:
         return await self.stub.GetStats(pb.GetStatsRequest(), timeout=2)
 
-    async def generate(self, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
+    async def generate(self, request: pb.GenerateRequest, metadata=()) -> AsyncIterator[pb.GenerateResponse]:
         """Streams the responses; leaving the iteration early (or a cancelled task) cancels the call."""
-        call = self.stub.Generate(request)
+        call = self.stub.Generate(request, metadata=metadata)
         try:
             async for response in call:
                 yield response

@@ -9,17 +9,19 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-
-import grpc
 from typing import Annotated
 
+import grpc
+from opentelemetry import trace
 from pydantic import BaseModel, ConfigDict, Field
 
 from gateway.errors import ApiError, from_grpc
 from gateway.metrics import Metrics
+from services.common import telemetry
 from tandem.v1 import dense_pb2 as pb
 
 log = logging.getLogger(__name__)
+_tracer = telemetry.tracer("tandem.gateway")
 FINISH = {pb.STOP: "stop", pb.LENGTH: "length", pb.ABORT: "abort"}
 INT32 = 2**31  # the dense protocol's integer fields hold 32 bits
 TokenId = Annotated[int, Field(ge=0, lt=INT32)]
@@ -119,15 +121,32 @@ class Piece:
 
 
 class Runner:
-    """Runs the dense calls of one HTTP request and records its metrics."""
+    """Runs the dense calls of one HTTP request, traces it (one span after the GenAI conventions,
+    whose context travels to the dense service in gRPC metadata) and records its metrics."""
 
-    def __init__(self, client, metrics: Metrics, retry_after_s: int):
-        self.client, self.metrics, self.retry_after_s = client, metrics, retry_after_s
+    def __init__(self, state, operation: str, body: SamplingFields, prompt_text: str = ""):
+        self.client, self.metrics = state.client, state.metrics
+        self.retry_after_s, self.tracing = state.config.retry_after_s, state.config.tracing
+        self.operation, self.body, self.prompt_text = operation, body, prompt_text
+
+    def _span(self):
+        b = self.body
+        attributes = {"gen_ai.operation.name": self.operation, "gen_ai.provider.name": "tandem",
+                      "gen_ai.request.model": b.model}
+        for key, value in (("max_tokens", b.max_completion_tokens or b.max_tokens), ("temperature", b.temperature),
+                           ("top_p", b.top_p), ("seed", b.seed), ("choice.count", b.n)):
+            if value is not None:
+                attributes[f"gen_ai.request.{key}"] = value
+        if self.tracing.record_content and self.prompt_text:
+            attributes["gen_ai.prompt"] = self.prompt_text
+        return _tracer.start_span(f"{self.operation} {b.model}", kind=trace.SpanKind.CLIENT, attributes=attributes)
 
     async def stream(self, requests: list[pb.GenerateRequest]) -> AsyncIterator[Piece]:
         """The n choices' responses merged as they come; raises ApiError on a dense error."""
+        span = self._span()
+        metadata = telemetry.metadata(span)
         queue: asyncio.Queue = asyncio.Queue()
-        tasks = [asyncio.create_task(self._pump(i, r, queue)) for i, r in enumerate(requests)]
+        tasks = [asyncio.create_task(self._pump(i, r, queue, metadata)) for i, r in enumerate(requests)]
         clock = _Clock(self.metrics)
         self.metrics.running.inc()
         try:
@@ -135,6 +154,7 @@ class Runner:
                 while True:
                     item = await queue.get()
                     if isinstance(item, BaseException):
+                        span.set_status(trace.Status(trace.StatusCode.ERROR, str(item)))
                         raise item
                     if item is None:
                         break
@@ -143,15 +163,18 @@ class Runner:
             clock.done()
         except (GeneratorExit, asyncio.CancelledError):
             self.metrics.disconnects.inc()  # the client went away mid-stream
+            clock.reasons.append("abort")
             raise
         finally:
             self.metrics.running.dec()
             for task in tasks:
                 task.cancel()
+            clock.annotate(span, self.tracing.record_content)
+            span.end()
 
-    async def _pump(self, index: int, request: pb.GenerateRequest, queue: asyncio.Queue) -> None:
+    async def _pump(self, index: int, request: pb.GenerateRequest, queue: asyncio.Queue, metadata) -> None:
         try:
-            async for response in self.client.generate(request):
+            async for response in self.client.generate(request, metadata):
                 await queue.put(Piece(index, response))
         except grpc.aio.AioRpcError as exc:
             await queue.put(from_grpc(exc, self.retry_after_s))
@@ -189,19 +212,26 @@ class _Clock:
         self.metrics, self.start, self.last = metrics, time.monotonic(), None
         self.prompt = self.generated = 0
         self.reasons: list[str] = []
+        self.ttft: float | None = None
+        self.timing = (0.0, 0.0, 0.0)
+        self.text: list[str] = []
 
     def tick(self, piece: Piece) -> None:
         now, r = time.monotonic(), piece.response
         if r.token_ids:
             if self.last is None:
-                self.metrics.ttft.observe(now - self.start)
+                self.ttft = now - self.start
+                self.metrics.ttft.observe(self.ttft)
             else:
                 self.metrics.itl.observe(now - self.last)
             self.last = now
+        self.text.append(r.text)
         if piece.finish_reason:
             self.reasons.append(piece.finish_reason)
             self.prompt = max(self.prompt, r.usage.prompt_tokens)  # the same prompt for every choice
             self.generated += r.usage.completion_tokens
+            t = r.timing
+            self.timing = tuple(max(a, b) for a, b in zip(self.timing, (t.queue_s, t.prefill_s, t.decode_s)))
 
     def done(self) -> None:
         m = self.metrics
@@ -210,6 +240,19 @@ class _Clock:
         m.generation_tokens.inc(self.generated)
         for reason in self.reasons:
             m.finished.labels(finished_reason=reason).inc()
+
+    def annotate(self, span, record_content: bool) -> None:
+        """The GenAI usage and finish reasons, and where the time went, on the request's span."""
+        span.set_attributes({
+            "gen_ai.usage.input_tokens": self.prompt, "gen_ai.usage.output_tokens": self.generated,
+            "gen_ai.response.finish_reasons": self.reasons or ["error"],
+            "tandem.latency.queue_s": self.timing[0], "tandem.latency.prefill_s": self.timing[1],
+            "tandem.latency.decode_s": self.timing[2], "tandem.latency.e2e_s": time.monotonic() - self.start,
+        })
+        if self.ttft is not None:
+            span.set_attribute("tandem.latency.time_to_first_token_s", self.ttft)
+        if record_content:
+            span.set_attribute("gen_ai.completion", "".join(self.text))
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:

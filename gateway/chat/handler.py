@@ -29,7 +29,7 @@ async def create(body: ChatRequest, request: Request):
     prompt = await prompt_ids(state, body)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     requests = [generate_request(body, prompt, logprobs, i) for i in range(body.n)]
-    runner = Runner(state.client, state.metrics, state.config.retry_after_s)
+    runner = Runner(state, "chat", body)
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     if body.stream:
         return StreamingResponse(guarded(_events(body, runner, requests, rid, created)), media_type="text/event-stream")

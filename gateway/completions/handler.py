@@ -47,7 +47,7 @@ async def create(body: CompletionRequest, request: Request):
     check_options(body)
     prompt = await prompt_ids(state, body)
     requests = [generate_request(body, prompt, body.logprobs, i) for i in range(body.n)]
-    runner = Runner(state.client, state.metrics, state.config.retry_after_s)
+    runner = Runner(state, "text_completion", body)
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     if body.stream:
         return StreamingResponse(guarded(_events(body, runner, requests, rid, created)), media_type="text/event-stream")

@@ -5,8 +5,11 @@ handshake and writes results. All integers little-endian. Byte offsets:
 
     0    magic b"TNDSHM01", u32 layout version, u32 header bytes, u64 segment bytes, u32 max tokens
     64   request line: u32 request sequence (futex word), then the descriptor (REQUEST below)
-    128  response line: u32 response sequence (futex word), u32 status, u32 message length
+    128  response line: u32 response sequence (futex word), u32 status, u32 message length, u32 0,
+         f64 seconds the server computed
     192  response message (UTF-8, MESSAGE_BYTES at most)
+    448  trace context of the call: u8 flags (1: trace this call on its own), u8 length, then the
+         W3C traceparent (ASCII, 55 bytes; length 0: not traced)
     512  data: slots for x [T, D], ids [T, K], weights [T, K], out [T, D], each 64-byte aligned
 
 A call: write the data and the descriptor, then publish the request sequence with release
@@ -30,9 +33,9 @@ import numpy as np
 from services.common.errors import InvalidRequestError
 
 MAGIC = b"TNDSHM01"
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2
 HEADER_BYTES = 512
-MESSAGE_BYTES = HEADER_BYTES - 192
+MESSAGE_BYTES = 448 - 192
 ALIGN = 64
 SHM_DIR = "/dev/shm"
 NAME_PREFIX = "tandem-"
@@ -44,9 +47,12 @@ RESPONSE_SEQ = 128
 # layer, tokens, hidden, top_k, x dtype code, then byte offsets of x, ids, weights, out
 _REQUEST = struct.Struct("<IIIIIQQQQ")
 _REQUEST_AT = REQUEST_SEQ + 4
-_RESPONSE = struct.Struct("<II")
+_RESPONSE = struct.Struct("<IIId")
 _RESPONSE_AT = RESPONSE_SEQ + 4
 _MESSAGE_AT = 192
+_TRACE_AT = 448
+_TRACE = struct.Struct("<BB62s")
+TRACE_EACH = 1
 
 X_DTYPES = {1: np.dtype(np.float32), 2: np.dtype(np.uint16)}  # 2: bfloat16 bits
 X_DTYPE_CODES = {"float32": 1, "bfloat16": 2}
@@ -161,15 +167,25 @@ class Segment:
     def read_request(self) -> Request:
         return Request(*_REQUEST.unpack_from(self.mm, _REQUEST_AT))
 
-    def write_response(self, status: int, message: str = "") -> None:
+    def write_response(self, status: int, message: str = "", compute_s: float = 0.0) -> None:
         data = message.encode()[:MESSAGE_BYTES]
-        _RESPONSE.pack_into(self.mm, _RESPONSE_AT, status, len(data))
+        _RESPONSE.pack_into(self.mm, _RESPONSE_AT, status, len(data), 0, compute_s)
         self.mm[_MESSAGE_AT:_MESSAGE_AT + len(data)] = data
 
-    def read_response(self) -> tuple[int, str]:
-        status, length = _RESPONSE.unpack_from(self.mm, _RESPONSE_AT)
+    def read_response(self) -> tuple[int, str, float]:
+        """(status, message, seconds the server computed)."""
+        status, length, _, compute_s = _RESPONSE.unpack_from(self.mm, _RESPONSE_AT)
         length = min(length, MESSAGE_BYTES)
-        return status, bytes(self.mm[_MESSAGE_AT:_MESSAGE_AT + length]).decode(errors="replace")
+        return status, bytes(self.mm[_MESSAGE_AT:_MESSAGE_AT + length]).decode(errors="replace"), compute_s
+
+    def write_trace(self, traceparent: str, each: bool) -> None:
+        data = traceparent.encode()[:62]
+        _TRACE.pack_into(self.mm, _TRACE_AT, TRACE_EACH if each else 0, len(data), data)
+
+    def read_trace(self) -> tuple[str, bool]:
+        """(traceparent or "", whether to trace this call on its own)."""
+        flags, length, data = _TRACE.unpack_from(self.mm, _TRACE_AT)
+        return data[:min(length, 62)].decode(errors="replace"), bool(flags & TRACE_EACH)
 
     def array(self, field: str, offset: int, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
         """A view of the segment, after checking that it lies inside the data area and is aligned."""

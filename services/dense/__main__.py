@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 import threading
 from pathlib import Path
 
+from services.common import telemetry
 from services.common.errors import TandemError
+from services.common.telemetry import TracingConfig
 from services.common.expert_weights import FORMATS, default_threads
 from services.dense.config import EXPERTS, DenseConfig
 from services.dense.moe.remote import TRANSPORTS, RemoteConfig
@@ -53,6 +56,7 @@ def config(argv: list[str]) -> DenseConfig:
         threads=a.threads, remote=remote, kv_tokens=a.kv_tokens, kv_memory_fraction=a.kv_memory_fraction,
         block_size=a.block_size, max_batch_tokens=a.max_batch_tokens, max_running=a.max_running,
         max_queue=a.max_queue, listen=a.listen, served_model_name=a.served_model_name,
+        tracing=TracingConfig.from_env(os.environ),
     )
 
 
@@ -63,6 +67,7 @@ def main(argv: list[str]) -> int:
     try:
         cfg = config(argv)
         print(f"dense service config: {cfg}", file=sys.stderr, flush=True)
+        telemetry.setup("tandem-dense", cfg.tracing)
         stop = threading.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: stop.set())
@@ -74,6 +79,7 @@ def main(argv: list[str]) -> int:
     while not stop.wait(1.0):
         pass
     running.stop(5.0)
+    telemetry.shutdown()
     return 0
 
 

@@ -34,7 +34,7 @@ def make_experts(cfg: DenseConfig):
     if cfg.experts == "remote":
         from services.dense.moe.remote import RemoteExperts
 
-        return RemoteExperts(model_cfg, cfg.remote)
+        return RemoteExperts(model_cfg, cfg.remote, trace_each=cfg.tracing.each_expert_call)
     from services.dense.moe.native import NativeExperts
 
     return NativeExperts(model_cfg, checkpoint, cfg.expert_format, cfg.threads)

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from services.common.errors import ConfigError
+from services.common.telemetry import TracingConfig
 from services.common.expert_weights import FORMATS
 from services.dense.engine import EngineConfig
 from services.dense.moe.remote import RemoteConfig
@@ -30,6 +31,7 @@ class DenseConfig:
     max_queue: int = 256
     listen: str = "127.0.0.1:50051"
     served_model_name: str = ""
+    tracing: TracingConfig = TracingConfig()
 
     def __post_init__(self):
         if self.experts not in EXPERTS:

@@ -22,6 +22,7 @@ from services.common.errors import (CancelledError, InvalidRequestError, Resourc
                                     TandemError)
 from services.dense.kv_cache import BlockPool, PagedSequence
 from services.dense.models.decoder import Chunk, MoeDecoder
+from services.dense import tracing
 from services.dense.request import Request
 
 log = logging.getLogger(__name__)
@@ -135,8 +136,11 @@ class Engine:
         batch = self._plan()
         if not batch:
             return
+        chunks = [c for _, c, _ in batch]
+        stats = getattr(self.model.experts, "take_step_stats", None)
         try:
-            logits = self.model.forward_batch([c for _, c, _ in batch], [row for *_, row in batch if row is not None])
+            with tracing.step([r for r, _, _ in batch], sum(len(c.tokens) for c in chunks), stats):
+                logits = self.model.forward_batch(chunks, [row for *_, row in batch if row is not None])
         except TandemError as exc:
             log.warning("step failed: %s", exc)
             for request, _, _ in batch:
@@ -160,6 +164,7 @@ class Engine:
                 request = self.waiting.popleft()
                 request.reserved = self.pool.blocks_for(len(request.prompt) + request.params.max_tokens)
                 request.cache = PagedSequence(self.pool)
+                request.admitted_ns = time.time_ns()
                 self.reserved += request.reserved
                 self.running.append(request)
 
@@ -187,10 +192,12 @@ class Engine:
             i += 1
             request.outputs.put(output)
             if output.finished:
+                tracing.end_request(request, output.finish_reason, None)
                 self._release(request)
 
     def _end(self, request: Request, reason: str | None = None, error: TandemError | None = None) -> None:
         request.finish(reason, error)
+        tracing.end_request(request, reason, error)
         self._release(request)
 
     def _release(self, request: Request) -> None:

@@ -24,6 +24,7 @@ class Output:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     error: TandemError | None = None  # set when the request failed (the stream ends with it)
+    timing: tuple[float, float, float] | None = None  # (queue, prefill, decode) seconds, in the last one
 
     @property
     def finished(self) -> bool:
@@ -43,6 +44,10 @@ class Request:
     cache: object | None = None  # the PagedSequence, while running
     reserved: int = 0  # KV blocks reserved for the whole request
     cancelled: bool = False
+    span: object | None = None  # the request's trace span, when traced
+    submitted_ns: int = field(default_factory=time.time_ns)
+    admitted_ns: int | None = None
+    first_token_ns: int | None = None
 
     def __post_init__(self):
         stop_ids = tuple(self.params.stop_token_ids)
@@ -79,12 +84,22 @@ class Request:
             reason = "stop"
         elif len(self.generated) >= self.params.max_tokens:
             reason = "length"
+        if self.first_token_ns is None:
+            self.first_token_ns = time.time_ns()
         if reason and self.detokenizer:
             text += self.detokenizer.flush()
-        return Output((token,), text, (logprobs,) if logprobs else (), reason, len(self.prompt), len(self.generated))
+        return Output((token,), text, (logprobs,) if logprobs else (), reason, len(self.prompt), len(self.generated),
+                      timing=self.timing() if reason else None)
 
     def finish(self, reason: str | None = None, error: TandemError | None = None) -> None:
-        self.outputs.put(Output((), "", (), reason, len(self.prompt), len(self.generated), error))
+        self.outputs.put(Output((), "", (), reason, len(self.prompt), len(self.generated), error, self.timing()))
+
+    def timing(self) -> tuple[float, float, float]:
+        """(queue, prefill, decode) seconds so far."""
+        now = time.time_ns()
+        admitted = self.admitted_ns or now
+        first = self.first_token_ns or now
+        return (admitted - self.submitted_ns) / 1e9, (first - admitted) / 1e9, (now - first) / 1e9
 
 
 def monotonic_deadline(seconds: float | None) -> float | None:

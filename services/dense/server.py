@@ -14,7 +14,9 @@ from dataclasses import dataclass
 import grpc
 
 from services.common.errors import InvalidRequestError, TandemError
+from services.common import telemetry
 from services.common.grpc_status import abort
+from services.dense import tracing
 from services.dense.engine import Engine
 from services.dense.request import Output, Request
 from services.dense.sampling import SamplingParams
@@ -80,8 +82,14 @@ class DenseServicer(pb_grpc.DenseServiceServicer):
 
     def Generate(self, request, context):
         try:
-            req = self.engine.submit(self._request(request, context))
+            req = self._request(request, context)
         except TandemError as exc:
+            abort(context, exc)
+        tracing.start_request(telemetry.context_from(dict(context.invocation_metadata())), req)
+        try:
+            self.engine.submit(req)
+        except TandemError as exc:
+            tracing.end_request(req, None, exc)
             abort(context, exc)
         context.add_callback(lambda: self.engine.abort(req))
         while True:
@@ -106,8 +114,11 @@ class DenseServicer(pb_grpc.DenseServiceServicer):
             for lp in out.logprobs
         ]
         usage = pb.Usage(prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens)
+        timing = None
+        if out.timing is not None:
+            timing = pb.Timing(queue_s=out.timing[0], prefill_s=out.timing[1], decode_s=out.timing[2])
         return pb.GenerateResponse(token_ids=out.token_ids, text=out.text, logprobs=logprobs,
-                                   finish_reason=FINISH[out.finish_reason], usage=usage)
+                                   finish_reason=FINISH[out.finish_reason], usage=usage, timing=timing)
 
     def Tokenize(self, request, context):
         return pb.TokenizeResponse(token_ids=self.tokenizer.encode(request.text, request.add_special_tokens))

@@ -102,8 +102,8 @@ def test_bad_shm_descriptor_is_invalid_argument_and_the_session_keeps_serving(st
         seq = t.publish(valid_request(t, cfg, layer, **change))
         expect_invalid(lambda: t.check(layer, seq), field)
         x, ids, w = inputs(cfg, 3, seed=1)
-        good = t.wait(t.submit(layer, x, ids, w))
-        again = t.wait(t.submit(layer, x, ids, w))
+        good = t.wait(t.submit(layer, x, ids, w))[0]
+        again = t.wait(t.submit(layer, x, ids, w))[0]
         assert torch.isfinite(good).all() and torch.equal(good, again)
     finally:
         t.close()
@@ -114,7 +114,7 @@ def test_expert_id_out_of_range_is_invalid_argument(stub, model):
     x, ids, w = inputs(cfg, 2)
     ids[1, 0] = cfg.moe.num_experts
     for t in (shm_transport(stub, cfg), InlineTransport(stub, 30.0)):
-        expect_invalid(lambda: t.wait(t.submit(layer, x, ids, w)), "ids")
+        expect_invalid(lambda: t.wait(t.submit(layer, x, ids, w))[0], "ids")
         t.close()
 
 
@@ -139,7 +139,7 @@ def test_bad_inline_call_is_invalid_argument_and_the_server_keeps_serving(stub, 
     t.close()
     fresh = InlineTransport(stub, 30.0)
     x, ids, w = inputs(cfg, 2)
-    assert torch.isfinite(fresh.wait(fresh.submit(layer, x, ids, w))).all()
+    assert torch.isfinite(fresh.wait(fresh.submit(layer, x, ids, w))[0]).all()
     fresh.close()
 
 

@@ -52,6 +52,7 @@ class MoeDecoder:
     def __init__(self, cfg: ModelConfig, w: WeightLoader, experts: ExpertBackend):
         d, v = cfg.hidden_size, cfg.vocab_size
         self.cfg, self.dtype, self.device = cfg, w.dtype, w.device
+        self.experts = experts
         self.rotary = Rotary(cfg.rope, w.device)
         self.embed = w.tensor("model.embed_tokens.weight", (v, d))
         self.layers = [DecoderLayer(cfg, w, i, self.rotary, experts) for i in range(cfg.num_layers)]

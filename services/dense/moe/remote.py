@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 import torch
+from opentelemetry import trace
 
 from services.common import shm_layout as shm
+from services.common import telemetry
 from services.common.errors import ConfigError, ExpertBackendError
 from services.common.model_config import ModelConfig
 from services.dense.moe.experts import ExpertBackend
@@ -24,6 +27,7 @@ from tandem.v1 import expert_pb2 as pb
 from tandem.v1 import expert_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
+_tracer = telemetry.tracer("tandem.dense.experts")
 TRANSPORTS = ("auto", "shm", "grpc")
 # a restarted server is found again within about a second, not after gRPC's default backoff of minutes
 CHANNEL_OPTIONS = [
@@ -110,9 +114,14 @@ class ExpertServerClient:
         self.channel.close()
 
 
+def _new_stats() -> dict:
+    return {"calls": 0, "bytes": 0, "expert_s": 0.0, "transport_s": 0.0}
+
+
 class RemoteExperts(ExpertBackend):
-    def __init__(self, cfg: ModelConfig, rc: RemoteConfig):
-        self.cfg = cfg
+    def __init__(self, cfg: ModelConfig, rc: RemoteConfig, trace_each: bool = False):
+        self.cfg, self.trace_each = cfg, trace_each  # trace_each: a span per layer call
+        self._step = _new_stats()
         self.servers = [ExpertServerClient(address, rc) for address in rc.addresses]
         self.owner: dict[int, ExpertServerClient] = {}
         for server in self.servers:
@@ -140,19 +149,40 @@ class RemoteExperts(ExpertBackend):
         if x.shape[0] > server.capacity:  # over a call's capacity: run it in pieces, one after the other
             parts = [self.forward(layer, *chunk) for chunk in zip(*(
                 t.split(server.capacity) for t in (x, ids, weights)))]
-            return None, torch.cat(parts)
+            return None, torch.cat(parts), None
+        span = None
+        if self.trace_each and trace.get_current_span().is_recording():
+            span = _tracer.start_span("expert_call", attributes={"tandem.layer": layer, "tandem.tokens": x.shape[0]})
+        started = time.perf_counter()
         with server._lock:
             transport = server.transport(layer)
             try:
-                return transport, transport.submit(layer, x, ids, weights)
+                inner = transport.submit(layer, x, ids, weights, telemetry.traceparent(span), span is not None)
             except grpc.RpcError as exc:
                 raise rpc_error(layer, exc) from exc
+        return transport, inner, (span, started, x.nbytes + ids.nbytes + weights.nbytes)
 
     def wait(self, handle):
-        transport, inner = handle
+        transport, inner, meta = handle
         if transport is None:
             return inner
-        return transport.wait(inner)
+        out, compute_s = transport.wait(inner)
+        span, started, sent = meta
+        call_s = time.perf_counter() - started
+        if span is not None:
+            span.set_attribute("tandem.expert_s", compute_s)
+            span.end()
+        s = self._step
+        s["calls"] += 1
+        s["bytes"] += sent + out.nbytes
+        s["expert_s"] += compute_s
+        s["transport_s"] += max(0.0, call_s - compute_s)
+        return out
+
+    def take_step_stats(self) -> dict:
+        """Calls, bytes, seconds in the expert servers and in transport since the last take."""
+        stats, self._step = self._step, _new_stats()
+        return stats
 
     def serving(self) -> bool:
         return all(server.serving() for server in self.servers)

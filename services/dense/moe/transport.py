@@ -100,7 +100,8 @@ class ShmTransport:
             raise ExpertBackendError(-1, "the shared-memory session was not opened", "UNAVAILABLE")
         self.segment.unlink()  # mapped on both sides now: the name is no longer needed
 
-    def submit(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor):
+    def submit(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, trace: str = "",
+               each: bool = False):
         if self.dead.is_set():
             raise ExpertBackendError(layer, "the expert server's session ended", "UNAVAILABLE")
         xs, code = to_wire(x)
@@ -111,6 +112,7 @@ class ShmTransport:
         np.copyto(seg.array("ids", s.ids, np.dtype(np.int64), (t, k)), ids.detach().to("cpu", torch.int64).numpy())
         np.copyto(seg.array("weights", s.weights, np.dtype(np.float32), (t, k)),
                   weights.detach().to("cpu", torch.float32).numpy())
+        seg.write_trace(trace, each)
         seq = self.publish(shm.Request(layer, t, d, k, code, s.x, s.ids, s.weights, s.out))
         return layer, seq, xs.dtype, (t, d), x.dtype, x.device
 
@@ -121,17 +123,20 @@ class ShmTransport:
         self._tn.doorbell_ring(self.segment.mm, shm.REQUEST_SEQ, self._seq)
         return self._seq
 
-    def check(self, layer: int, seq: int) -> None:
-        """Waits for the answer to call seq; raises the server's error status, if any."""
+    def check(self, layer: int, seq: int) -> float:
+        """Waits for the answer to call seq; raises the server's error status, if any; returns the
+        seconds the server computed."""
         self._await(layer, seq)
-        status, message = self.segment.read_response()
+        status, message, compute_s = self.segment.read_response()
         if status:
             raise ExpertBackendError(layer, message, _STATUS.get(status, "INTERNAL"))
+        return compute_s
 
-    def wait(self, handle) -> torch.Tensor:
+    def wait(self, handle) -> tuple[torch.Tensor, float]:
+        """([T, D] result, seconds the server computed)."""
         layer, seq, xdt, shape, dtype, device = handle
-        self.check(layer, seq)
-        return from_wire(self.segment.array("out", self.slots.out, xdt, shape).copy(), dtype, device)
+        compute_s = self.check(layer, seq)
+        return from_wire(self.segment.array("out", self.slots.out, xdt, shape).copy(), dtype, device), compute_s
 
     def _await(self, layer: int, seq: int) -> None:
         deadline = time.monotonic() + self.timeout_s
@@ -174,7 +179,8 @@ class InlineTransport:
                 self._call.cancel()
                 return
 
-    def submit(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor):
+    def submit(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, trace: str = "",
+               each: bool = False):
         if self.dead.is_set():
             raise ExpertBackendError(layer, "the stream to the expert server ended", "UNAVAILABLE")
         xs, code = to_wire(x)
@@ -182,11 +188,13 @@ class InlineTransport:
             layer=layer, x=wire.encode(xs, code),
             ids=wire.encode(ids.detach().to("cpu", torch.int64).numpy(), pb.INT64),
             weights=wire.encode(weights.detach().to("cpu", torch.float32).numpy(), pb.FLOAT32),
+            traceparent=trace, trace_each=each,
         ))
         self._deadline = time.monotonic() + self.timeout_s
         return layer, x.dtype, x.device
 
-    def wait(self, handle) -> torch.Tensor:
+    def wait(self, handle) -> tuple[torch.Tensor, float]:
+        """([T, D] result, seconds the server computed)."""
         layer, dtype, device = handle
         try:
             response = next(self._call)
@@ -201,7 +209,7 @@ class InlineTransport:
         finally:
             self._deadline = None
         out = wire.decode("out", response.out, (pb.FLOAT32, pb.BFLOAT16), 2)
-        return from_wire(out.copy(), dtype, device)
+        return from_wire(out.copy(), dtype, device), response.compute_s
 
     def close(self) -> None:
         self.dead.set()

@@ -15,8 +15,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from services.common.healthcheck import serving
 
 ROOT = Path(__file__).resolve().parents[2]
 READY = re.compile(r"ready on port (\d+)")
@@ -60,12 +59,7 @@ class Child:
 
 
 def grpc_serving(port: int) -> bool:
-    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-        try:
-            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1)
-        except grpc.RpcError:
-            return False
-    return reply.status == health_pb2.HealthCheckResponse.SERVING
+    return serving(f"127.0.0.1:{port}", timeout_s=1.0)
 
 
 def http_ok(url: str) -> bool:

@@ -21,6 +21,7 @@ from services.common.errors import InvalidRequestError
 log = logging.getLogger(__name__)
 
 OK, INVALID_ARGUMENT, INTERNAL = 0, 3, 13
+_I64, _F32 = np.dtype(np.int64), np.dtype(np.float32)
 
 
 class ShmSession:
@@ -31,6 +32,7 @@ class ShmSession:
         self.segment, self.executor = segment, executor
         self.max_tokens, self.spin_us = max_tokens, spin_us
         self._stop = threading.Event()
+        self._flat: dict = {}  # (offset, dtype) -> flat view; the client's slots never move
         self.calls = CallTracer(max(executor.layers))
         self._stopping = threading.Lock()
         self._seen = tandem_native.doorbell_load(segment.mm, shm.REQUEST_SEQ)
@@ -49,6 +51,7 @@ class ShmSession:
             if self._thread.is_alive() and self._thread is not threading.current_thread():
                 self._thread.join()
             self.segment.unlink()
+            self._flat = {}
             self.segment.close()
 
     def _serve(self) -> None:
@@ -76,6 +79,19 @@ class ShmSession:
             log.exception("layer call failed")
             self.segment.write_response(INTERNAL, str(exc))
 
+    def _view(self, field: str, offset: int, dtype: np.dtype, rows: int, cols: int) -> np.ndarray:
+        """[rows, cols] at offset: a slice of a flat view to the segment's end, made once per
+        (offset, dtype) after Segment.array's checks; the length is checked on every call."""
+        flat = self._flat.get((offset, dtype))
+        if flat is None:
+            self.segment.array(field, offset, dtype, (rows, cols))  # this call's own checks and error
+            n = (self.segment.size - offset) // dtype.itemsize
+            flat = self._flat[(offset, dtype)] = self.segment.array(field, offset, dtype, (n,))
+        n = rows * cols
+        if n > flat.shape[0]:
+            raise InvalidRequestError(f"{field}: {n * dtype.itemsize} bytes at offset {offset} run past the segment")
+        return flat[:n].reshape(rows, cols)
+
     def _compute(self, req: shm.Request) -> None:
         if req.tokens > self.max_tokens:
             raise InvalidRequestError(f"tokens: {req.tokens} is over the session's capacity of {self.max_tokens}")
@@ -83,11 +99,10 @@ class ShmSession:
         if req.x_dtype not in shm.X_DTYPES:
             raise InvalidRequestError(f"x_dtype: unknown code {req.x_dtype}")
         t, d, k, xdt = req.tokens, req.hidden, req.top_k, shm.X_DTYPES[req.x_dtype]
-        seg = self.segment
-        x = seg.array("x_offset", req.x_offset, xdt, (t, d))
-        ids = seg.array("ids_offset", req.ids_offset, np.dtype(np.int64), (t, k))
-        weights = seg.array("weights_offset", req.weights_offset, np.dtype(np.float32), (t, k))
-        out = seg.array("out_offset", req.out_offset, xdt, (t, d))
+        x = self._view("x_offset", req.x_offset, xdt, t, d)
+        ids = self._view("ids_offset", req.ids_offset, _I64, t, k)
+        weights = self._view("weights_offset", req.weights_offset, _F32, t, k)
+        out = self._view("out_offset", req.out_offset, xdt, t, d)
         if xdt == np.float32:
             self.executor.run(req.layer, x, ids, weights, out)
         else:

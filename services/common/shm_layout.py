@@ -28,6 +28,8 @@ import struct
 import uuid
 from dataclasses import dataclass
 
+import math
+
 import numpy as np
 
 from services.common.errors import InvalidRequestError
@@ -175,6 +177,8 @@ class Segment:
     def read_response(self) -> tuple[int, str, float]:
         """(status, message, seconds the server computed)."""
         status, length, _, compute_s = _RESPONSE.unpack_from(self.mm, _RESPONSE_AT)
+        if status == 0:
+            return 0, "", compute_s
         length = min(length, MESSAGE_BYTES)
         return status, bytes(self.mm[_MESSAGE_AT:_MESSAGE_AT + length]).decode(errors="replace"), compute_s
 
@@ -189,13 +193,13 @@ class Segment:
 
     def array(self, field: str, offset: int, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
         """A view of the segment, after checking that it lies inside the data area and is aligned."""
-        nbytes = int(np.prod(shape)) * dtype.itemsize
+        nbytes = math.prod(shape) * dtype.itemsize
         if offset < HEADER_BYTES or offset + nbytes > self.size or offset % dtype.itemsize:
             raise InvalidRequestError(
                 f"{field}: {nbytes} bytes at offset {offset} fall outside the data area "
                 f"[{HEADER_BYTES}, {self.size}) or are misaligned"
             )
-        return np.frombuffer(self.buf, dtype=dtype, count=int(np.prod(shape)), offset=offset).reshape(shape)
+        return np.frombuffer(self.buf, dtype=dtype, count=math.prod(shape), offset=offset).reshape(shape)
 
 
 def host_id() -> str:

@@ -8,7 +8,7 @@
             longest gap between two tokens of the decoding streams meanwhile, with chunked prefill
             (--chunk tokens per step) and without (the whole prompt in one step).
 
-    python -m bench.serving [--quick] [--threads 2] [--dense-dtype bfloat16] [--chunk 64]
+    python -m bench.serving [--quick] [--threads 2] [--dense-dtype float32|bfloat16] [--chunk 64]
 
 Target on this machine: 16 streams give at least 4x the aggregate tokens/s of 1 stream.
 """
@@ -47,7 +47,8 @@ def parse_args(argv=None) -> BenchConfig:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="fewer tokens (a smoke run)")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--dense-dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    p.add_argument("--dense-dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="float32: what `tandem serve` runs on a CPU")
     p.add_argument("--chunk", type=int, default=64, help="prefill tokens per step with chunking on")
     a = p.parse_args(argv)
     return BenchConfig(a.quick, a.threads, a.dense_dtype, a.chunk, 8 if a.quick else 32)

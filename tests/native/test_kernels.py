@@ -83,3 +83,21 @@ def test_active_isa_is_the_best_supported_one():
 def test_each_variant_needs_the_features_of_the_ones_below_it():
     supported = tn.supported_isas()
     assert supported == list(ALL_ISAS[: len(supported)])
+
+
+@pytest.mark.parametrize("isa", [i for i in ALL_ISAS if i != "amx"])
+@pytest.mark.parametrize("fmt", list(TOLERANCE))
+def test_a_token_gets_the_same_bits_alone_or_in_any_batch(isa, fmt, packed, pool):
+    """Batch invariance: decode (1 token) and prefill (many) paths give each token identical bits,
+    so continuous batching never changes what a request generates. (AMX's tile path for 16+
+    tokens rounds differently and is left out.)"""
+    if isa not in tn.supported_isas():
+        pytest.skip(f"{isa}: not supported by this CPU or build (supported: {tn.supported_isas()})")
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((40, D), dtype=np.float32)
+    ids, weights = random_routing(rng, 40, E, K)
+    full = run(packed[fmt], x, ids, weights, pool, isa)
+    for start, n in ((0, 1), (7, 1), (3, 2), (10, 5), (0, 17), (39, 1)):
+        part = run(packed[fmt], x[start:start + n].copy(), ids[start:start + n].copy(),
+                   weights[start:start + n].copy(), pool, isa)
+        assert np.array_equal(part, full[start:start + n]), (start, n)

@@ -251,45 +251,77 @@ void matmul_int(const Matrix& w, int r0, int r1, const Activations& x, int n, fl
     for (int r = r0; r < r1; r += kTileRows) int_rows<Block>(w, r, x, n, y + (r - r0), ldy);
 }
 
-// One 4-row tile of int4 weights against one quantized token (decode). Each 32-byte load gives
-// two 32-column halves; x is rearranged to match, so both halves reduce into one register whose
-// low lanes belong to the first half-block and high lanes to the second.
-void int4_tile(const Matrix& w, int r, const int8_t* xq, const float* xs, float* y) {
+// One 4-row tile of int4 weights against N quantized tokens (N <= kTokensPerLoad). Each 32-byte
+// load gives two 32-column halves, unpacked once for all N tokens; x is rearranged to match, so
+// both halves reduce into one register whose low lanes belong to the first half-block and high
+// lanes to the second. A token's arithmetic does not depend on N or on its batch-mates, so a token
+// gets the same result decoded alone or in a prefill batch (batch invariance).
+template <int N>
+void int4_tile(const Matrix& w, int r, const int8_t* const* xq, const float* const* xs, float* y, int ldy) {
     const int blocks = w.cols / kBlock;
     const uint8_t* tile = block_at(w, r, 0);
-    __m256 acc[kTileRows];
-    for (int k = 0; k < kTileRows; ++k) acc[k] = _mm256_setzero_ps();
-    alignas(32) float scale[kTileRows][kSpan];
+    __m256 acc[N][kTileRows];
+    for (int i = 0; i < N; ++i)
+        for (int k = 0; k < kTileRows; ++k) acc[i][k] = _mm256_setzero_ps();
+    alignas(32) float scale[N][kTileRows][kSpan];
     for (int b0 = 0; b0 < blocks; b0 += kSpan) {
         const int nb = std::min(kSpan, blocks - b0);
-        combined_scales(w, r, b0, nb, xs, scale);
+        for (int i = 0; i < N; ++i) combined_scales(w, r, b0, nb, xs[i], scale[i]);
         for (int j = 0; j < nb; j += 2, tile += kTileRows * kBlockBytes) {
             _mm_prefetch(reinterpret_cast<const char*>(tile) + kPrefetch, _MM_HINT_T0);
             _mm_prefetch(reinterpret_cast<const char*>(tile) + kPrefetch + 64, _MM_HINT_T0);
-            const __m256i xa = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + (b0 + j) * kBlock));
-            const __m256i xb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + (b0 + j + 1) * kBlock));
-            const __m256i xlo = _mm256_permute2x128_si256(xa, xb, 0x20), xhi = _mm256_permute2x128_si256(xa, xb, 0x31);
-            const __m256i alo = _mm256_sign_epi8(xlo, xlo), ahi = _mm256_sign_epi8(xhi, xhi);
+            __m256i xlo[N], xhi[N], alo[N], ahi[N];
+            for (int i = 0; i < N; ++i) {
+                const __m256i xa = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[i] + (b0 + j) * kBlock));
+                const __m256i xb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[i] + (b0 + j + 1) * kBlock));
+                xlo[i] = _mm256_permute2x128_si256(xa, xb, 0x20);
+                xhi[i] = _mm256_permute2x128_si256(xa, xb, 0x31);
+                alo[i] = _mm256_sign_epi8(xlo[i], xlo[i]);
+                ahi[i] = _mm256_sign_epi8(xhi[i], xhi[i]);
+            }
             for (int k = 0; k < kTileRows; ++k) {
                 __m256i lo, hi;
                 load_int4(tile + k * kBlockBytes, lo, hi);
-                const __m256i dot = dot_u8s8(dot_u8s8(_mm256_setzero_si256(), alo, _mm256_sign_epi8(lo, xlo)), ahi,
-                                             _mm256_sign_epi8(hi, xhi));
-                const __m256 s = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_broadcast_ss(&scale[k][j])),
-                                                      _mm_broadcast_ss(&scale[k][j + 1]), 1);
-                acc[k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), s, acc[k]);
+                for (int i = 0; i < N; ++i) {
+                    const __m256i dot = dot_u8s8(dot_u8s8(_mm256_setzero_si256(), alo[i], _mm256_sign_epi8(lo, xlo[i])),
+                                                 ahi[i], _mm256_sign_epi8(hi, xhi[i]));
+                    const __m256 sc = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_broadcast_ss(&scale[i][k][j])),
+                                                           _mm_broadcast_ss(&scale[i][k][j + 1]), 1);
+                    acc[i][k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), sc, acc[i][k]);
+                }
             }
         }
     }
-    for (int k = 0; k < kTileRows; ++k) y[k] = hsum(acc[k]);
+    for (int i = 0; i < N; ++i)
+        for (int k = 0; k < kTileRows; ++k) y[int64_t(i) * ldy + k] = hsum(acc[i][k]);
 }
 
-// int4 against many tokens (prefill): each 4-row tile is expanded once to int8 in L1, then runs the
-// int8 kernel for every token, so the nibble unpacking is paid once per tile instead of per token.
-constexpr int kExpandMinTokens = 4;
+// Tokens i .. i + N - 1 against the int4 tile at row r.
+template <int N>
+void int4_tokens(const Matrix& w, int r, const Activations& x, int i, float* y, int ldy) {
+    const int8_t* xq[N];
+    const float* xs[N];
+    for (int t = 0; t < N; ++t) {
+        xq[t] = x.q + x.row(i + t) * x.cols;
+        xs[t] = x.s + x.row(i + t) * (x.cols / kBlock);
+    }
+    int4_tile<N>(w, r, xq, xs, y + int64_t(i) * ldy, ldy);
+}
 
-// The 4 rows of an int4 tile -> the same rows as int8 blocks, in the int8 packed layout.
-void expand_int4_tile(const uint8_t* src, int cols, uint8_t* dst) {
+constexpr int kInt4Tokens = 2;  // tokens sharing one unpacked tile (more spill on AVX2's 16 registers)
+
+void matmul_int4(const Matrix& w, int r0, int r1, const Activations& x, int n, float* y, int ldy) {
+    for (int r = r0; r < r1; r += kTileRows) {
+        float* yr = y + (r - r0);
+        int i = 0;
+        for (; i + kInt4Tokens <= n; i += kInt4Tokens) int4_tokens<kInt4Tokens>(w, r, x, i, yr, ldy);
+        if (i < n) int4_tokens<1>(w, r, x, i, yr, ldy);
+    }
+}
+
+// The 4 rows of an int4 tile -> the same rows as int8 blocks, in the int8 packed layout (AMX
+// repacks from this).
+[[maybe_unused]] void expand_int4_tile(const uint8_t* src, int cols, uint8_t* dst) {
     for (int b = 0; b < cols / (2 * kBlock); ++b)
         for (int k = 0; k < kTileRows; ++k, src += kBlockBytes) {
             __m256i lo, hi;
@@ -298,27 +330,6 @@ void expand_int4_tile(const uint8_t* src, int cols, uint8_t* dst) {
             _mm256_storeu_si256(out + (2 * b) * kTileRows + k, _mm256_permute2x128_si256(lo, hi, 0x20));
             _mm256_storeu_si256(out + (2 * b + 1) * kTileRows + k, _mm256_permute2x128_si256(lo, hi, 0x31));
         }
-}
-
-void matmul_int4(const Matrix& w, int r0, int r1, const Activations& x, int n, float* y, int ldy) {
-    const int blocks = x.cols / kBlock, groups = w.cols / w.group;
-    if (n < kExpandMinTokens) {
-        for (int r = r0; r < r1; r += kTileRows)
-            for (int i = 0; i < n; ++i)
-                int4_tile(w, r, x.q + x.row(i) * x.cols, x.s + x.row(i) * blocks, y + int64_t(i) * ldy + (r - r0));
-        return;
-    }
-    thread_local std::vector<uint8_t> expanded;
-    expanded.resize(size_t(kTileRows) * w.cols);
-    for (int r = r0; r < r1; r += kTileRows) {
-        expand_int4_tile(block_at(w, r, 0), w.cols, expanded.data());
-        Matrix tile = w;  // the 4 rows as an int8 matrix of their own
-        tile.data = expanded.data();
-        tile.scales = w.scales + int64_t(r) * groups;
-        tile.rows = kTileRows;
-        tile.format = Format::INT8;
-        int_rows<Int8Block>(tile, 0, x, n, y + (r - r0), ldy);
-    }
 }
 
 // exp(x) for x in [-87, 88]: 2^n * p(r) with x = n ln2 + r, |r| <= ln2 / 2 (Cephes' polynomial,

@@ -61,9 +61,10 @@ def assert_batched_equals_alone(model, path, params_list):
     assert batched == alone
 
 
-def test_greedy_batched_equals_alone_with_the_local_backend(family_checkpoint):
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_greedy_batched_equals_alone_with_the_local_backend(family_checkpoint, fmt):
     _, path = family_checkpoint
-    model, _ = load_fp32(path, native(path))
+    model, _ = load_fp32(path, native(path, fmt))
     assert_batched_equals_alone(model, path, [SamplingParams(temperature=0, max_tokens=m) for _, m in SHAPES])
 
 

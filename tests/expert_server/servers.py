@@ -12,6 +12,7 @@ from pathlib import Path
 
 from expert_server.app import start
 from expert_server.config import ServerConfig
+from tests.waiting import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -60,6 +61,15 @@ class Spawned:
 
     def signal(self, sig) -> None:
         self.proc.send_signal(sig)
+
+    def pause(self) -> None:
+        """SIGSTOP, returning only once the process has stopped (no call it was spinning on slips through)."""
+        self.proc.send_signal(signal.SIGSTOP)
+        assert wait_for(lambda: self._state() in ("T", "t"), timeout=10)
+
+    def _state(self) -> str:
+        with open(f"/proc/{self.proc.pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
 
     def kill(self) -> None:
         if self.proc.poll() is None:

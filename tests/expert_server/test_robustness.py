@@ -23,6 +23,7 @@ from tandem.v1 import expert_pb2 as pb
 from tandem.v1 import expert_pb2_grpc as pb_grpc
 from tests.checkpoints import checkpoint
 from tests.expert_server.servers import ROOT, Spawned, in_process
+from tests.waiting import wait_for
 
 pytest.importorskip("tandem_native")
 pytestmark = pytest.mark.native
@@ -164,14 +165,6 @@ def test_bad_session_open_is_invalid_argument(stub, change, field):
         segment.close()
 
 
-def wait_until(predicate, timeout=10.0):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return False
-
 
 CLIENT = textwrap.dedent("""
     import sys, threading, grpc
@@ -202,7 +195,7 @@ def test_a_client_that_dies_leaves_no_segment_and_no_session(server):
     finally:
         child.kill()
         child.wait()
-    assert wait_until(lambda: name not in shm.leftover_segments() and server.servicer.session_count == before)
+    assert wait_for(lambda: name not in shm.leftover_segments() and server.servicer.session_count == before)
 
 
 @pytest.fixture
@@ -219,7 +212,7 @@ def test_a_killed_server_fails_the_call_in_flight_with_unavailable_then_the_clie
     remote = RemoteExperts(cfg, RemoteConfig(addresses=(spawned.address,), transport=transport, timeout_s=20))
     x, ids, w = inputs(cfg, 2)
     expected = remote.forward(layer, x, ids, w)
-    spawned.signal(signal.SIGSTOP)
+    spawned.pause()
     handle = remote.submit(layer, x, ids, w)
     spawned.kill()
     start = time.monotonic()
@@ -230,7 +223,7 @@ def test_a_killed_server_fails_the_call_in_flight_with_unavailable_then_the_clie
         remote.forward(layer, x, ids, w)
     assert info.value.code == "UNAVAILABLE"
     with Spawned(path, "int8", port=spawned.port):
-        assert wait_until(lambda: _succeeds(remote, layer, x, ids, w))
+        assert wait_for(lambda: _succeeds(remote, layer, x, ids, w))
         assert torch.equal(remote.forward(layer, x, ids, w), expected)
     remote.close()
 
@@ -251,7 +244,7 @@ def test_a_call_past_its_deadline_is_deadline_exceeded_and_the_next_call_works(m
     remote = RemoteExperts(cfg, RemoteConfig(addresses=(spawned.address,), transport=transport, timeout_s=1.0))
     x, ids, w = inputs(cfg, 2)
     expected = remote.forward(layer, x, ids, w)
-    spawned.signal(signal.SIGSTOP)
+    spawned.pause()
     start = time.monotonic()
     with pytest.raises(ExpertBackendError) as info:
         remote.forward(layer, x, ids, w)
@@ -268,7 +261,7 @@ def test_sigterm_drains_the_call_in_flight_then_exits(model, spawned, transport)
     remote = RemoteExperts(cfg, RemoteConfig(addresses=(spawned.address,), transport=transport, timeout_s=20))
     x, ids, w = inputs(cfg, 2)
     expected = remote.forward(layer, x, ids, w)
-    spawned.signal(signal.SIGSTOP)
+    spawned.pause()
     handle = remote.submit(layer, x, ids, w)
     spawned.signal(signal.SIGTERM)
     spawned.signal(signal.SIGCONT)

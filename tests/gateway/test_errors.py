@@ -13,6 +13,7 @@ from tests.checkpoints import checkpoint
 from tests.expert_server.servers import ROOT
 from tests.gateway.servers import dense, gateway
 from tests.services.dense.test_server import SlowExperts
+from tests.waiting import wait_for
 
 pytest.importorskip("tandem_native")
 pytestmark = pytest.mark.native
@@ -115,14 +116,6 @@ def test_backend_down_is_503_and_health_says_so():
         assert error_of(completion(url), 503)
         assert error_of(httpx.get(url + "/health", timeout=10), 503)
 
-
-def wait_for(predicate, timeout=10.0):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def test_full_dense_service_is_429_with_retry_after(slow):

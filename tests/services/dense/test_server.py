@@ -15,6 +15,7 @@ from services.dense.tokenizer import Tokenizer
 from tandem.v1 import dense_pb2 as pb
 from tandem.v1 import dense_pb2_grpc as pb_grpc
 from tests.checkpoints import checkpoint
+from tests.waiting import wait_for
 
 pytest.importorskip("tandem_native")
 pytestmark = pytest.mark.native
@@ -79,14 +80,6 @@ def collect(responses):
         last = r
     return tokens, text, last
 
-
-def wait_for(predicate, timeout=10.0):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return False
 
 
 def test_generate_streams_tokens_text_usage_and_logprobs(service):

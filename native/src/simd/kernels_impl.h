@@ -226,16 +226,25 @@ void int_tile(const Matrix& w, int r, const int8_t* const* xq, const float* cons
         for (int k = 0; k < kTileRows; ++k) y[int64_t(i) * ldy + k] = hsum(acc[i][k]);
 }
 
+// The quantized values and block scales of tokens i .. i + N - 1.
+template <int N>
+struct TokenRows {
+    const int8_t* q[N];
+    const float* s[N];
+
+    TokenRows(const Activations& x, int i) {
+        for (int t = 0; t < N; ++t) {
+            q[t] = x.q + x.row(i + t) * x.cols;
+            s[t] = x.s + x.row(i + t) * (x.cols / kBlock);
+        }
+    }
+};
+
 // Tokens i .. i + N - 1 against the 4-row tile at row r.
 template <typename Block, int N>
 void int_tokens(const Matrix& w, int r, const Activations& x, int i, float* y, int ldy) {
-    const int8_t* xq[N];
-    const float* xs[N];
-    for (int t = 0; t < N; ++t) {
-        xq[t] = x.q + x.row(i + t) * x.cols;
-        xs[t] = x.s + x.row(i + t) * (x.cols / kBlock);
-    }
-    int_tile<Block, N>(w, r, xq, xs, y + int64_t(i) * ldy, ldy);
+    const TokenRows<N> t(x, i);
+    int_tile<Block, N>(w, r, t.q, t.s, y + int64_t(i) * ldy, ldy);
 }
 
 template <typename Block>
@@ -299,13 +308,8 @@ void int4_tile(const Matrix& w, int r, const int8_t* const* xq, const float* con
 // Tokens i .. i + N - 1 against the int4 tile at row r.
 template <int N>
 void int4_tokens(const Matrix& w, int r, const Activations& x, int i, float* y, int ldy) {
-    const int8_t* xq[N];
-    const float* xs[N];
-    for (int t = 0; t < N; ++t) {
-        xq[t] = x.q + x.row(i + t) * x.cols;
-        xs[t] = x.s + x.row(i + t) * (x.cols / kBlock);
-    }
-    int4_tile<N>(w, r, xq, xs, y + int64_t(i) * ldy, ldy);
+    const TokenRows<N> t(x, i);
+    int4_tile<N>(w, r, t.q, t.s, y + int64_t(i) * ldy, ldy);
 }
 
 constexpr int kInt4Tokens = 2;  // tokens sharing one unpacked tile (more spill on AVX2's 16 registers)

@@ -70,7 +70,7 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
                 ids = wire.decode("ids", req.ids, (pb.INT64,), 2)
                 weights = wire.decode("weights", req.weights, (pb.FLOAT32,), 2)
                 start = time.time_ns()
-                out = ex.compute(req.layer, x, ids, weights, bf16=req.x.dtype == pb.BFLOAT16)
+                out = ex.compute(req.layer, x, ids, weights)
                 end = time.time_ns()
             except TandemError as exc:
                 abort(context, exc)

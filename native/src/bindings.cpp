@@ -9,8 +9,9 @@
 #include <stdexcept>
 #include <string>
 
+#include "binding_util.h"
 #include "dispatch.h"
-#include "doorbell.h"
+#include "expert_session.h"
 #include "moe.h"
 
 namespace py = pybind11;
@@ -20,10 +21,11 @@ namespace {
 
 const KernelTable* g_active = nullptr;
 
-struct PyLayer {
-    py::object owner;  // keeps the buffer alive
-    MoeLayerView view;
-};
+}  // namespace
+
+const KernelTable& tandem::active_kernels() { return *g_active; }
+
+namespace {
 
 struct PyJob {
     std::shared_ptr<Job> job;
@@ -40,31 +42,6 @@ Format parse_format(const std::string& name) {
     if (name == "int8") return Format::INT8;
     if (name == "int4") return Format::INT4;
     throw std::invalid_argument("fmt: unknown format '" + name + "' (bf16, int8, int4)");
-}
-
-std::string shape_of(const py::array& a) {
-    std::string s = "[";
-    for (py::ssize_t i = 0; i < a.ndim(); ++i) s += (i ? ", " : "") + std::to_string(a.shape(i));
-    return s + "]";
-}
-
-// Checks dtype, rank, contiguity and (where given, >= 0) each dimension of an array argument.
-template <typename T>
-void check_array(const py::array& a, const char* name, const char* dtype, std::initializer_list<py::ssize_t> shape) {
-    if (!py::isinstance<py::array_t<T>>(a) || a.dtype().itemsize() != py::ssize_t(sizeof(T)))
-        throw std::invalid_argument(std::string(name) + ": expected dtype " + dtype + ", got " +
-                                    std::string(py::str(a.dtype())));
-    if (a.ndim() != py::ssize_t(shape.size()))
-        throw std::invalid_argument(std::string(name) + ": expected " + std::to_string(shape.size()) + " dims, got shape " +
-                                    shape_of(a));
-    if (!(a.flags() & py::array::c_style)) throw std::invalid_argument(std::string(name) + ": must be C-contiguous");
-    int i = 0;
-    for (py::ssize_t want : shape) {
-        if (want >= 0 && a.shape(i) != want)
-            throw std::invalid_argument(std::string(name) + ": shape " + shape_of(a) + ", dimension " + std::to_string(i) +
-                                        " should be " + std::to_string(want));
-        ++i;
-    }
 }
 
 py::array_t<uint8_t> pack_experts(py::array w13, py::array w2, const std::string& fmt, int group, ThreadPool& pool) {
@@ -139,7 +116,7 @@ PYBIND11_MODULE(tandem_native, m) {
     m.doc() = "Tandem's CPU MoE kernels (generic, AVX2, AVX-512 and AMX variants, the best chosen at import)";
     const char* forced = std::getenv("TANDEM_NATIVE_ISA");
     g_active = &select_kernels(forced ? forced : "");
-    register_doorbell(m);
+    register_expert_sessions(m);
 
     m.def("supported_isas", &supported_isas, "ISA variants this CPU runs, best last");
     m.def("active_isa", [] { return std::string(g_active->name); });

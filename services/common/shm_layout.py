@@ -16,6 +16,10 @@ A call: write the data and the descriptor, then publish the request sequence wit
 ordering and ring; the server reads with acquire ordering, computes, writes out, status and
 message, then publishes the response sequence (equal to the request's) and rings back.
 Every offset and size read from the other side is checked against the segment before use.
+
+This module creates, names and maps segments and is the layout's reference; the calls themselves
+are read and written by tandem_native.ShmClient / ShmServer (native/src/expert_session.cpp), whose
+numbers a test compares with these.
 T tokens, D hidden size, K experts per token.
 """
 
@@ -56,7 +60,6 @@ _TRACE_AT = 448
 _TRACE = struct.Struct("<BB62s")
 TRACE_EACH = 1
 
-X_DTYPES = {1: np.dtype(np.float32), 2: np.dtype(np.uint16)}  # 2: bfloat16 bits
 X_DTYPE_CODES = {"float32": 1, "bfloat16": 2}
 
 
@@ -160,36 +163,6 @@ class Segment:
             self.mm.close()
         except BufferError:
             pass
-
-    # --- descriptors -------------------------------------------------------------------------
-    def write_request(self, req: Request) -> None:
-        _REQUEST.pack_into(self.mm, _REQUEST_AT, req.layer, req.tokens, req.hidden, req.top_k, req.x_dtype,
-                           req.x_offset, req.ids_offset, req.weights_offset, req.out_offset)
-
-    def read_request(self) -> Request:
-        return Request(*_REQUEST.unpack_from(self.mm, _REQUEST_AT))
-
-    def write_response(self, status: int, message: str = "", compute_s: float = 0.0) -> None:
-        data = message.encode()[:MESSAGE_BYTES]
-        _RESPONSE.pack_into(self.mm, _RESPONSE_AT, status, len(data), 0, compute_s)
-        self.mm[_MESSAGE_AT:_MESSAGE_AT + len(data)] = data
-
-    def read_response(self) -> tuple[int, str, float]:
-        """(status, message, seconds the server computed)."""
-        status, length, _, compute_s = _RESPONSE.unpack_from(self.mm, _RESPONSE_AT)
-        if status == 0:
-            return 0, "", compute_s
-        length = min(length, MESSAGE_BYTES)
-        return status, bytes(self.mm[_MESSAGE_AT:_MESSAGE_AT + length]).decode(errors="replace"), compute_s
-
-    def write_trace(self, traceparent: str, each: bool) -> None:
-        data = traceparent.encode()[:62]
-        _TRACE.pack_into(self.mm, _TRACE_AT, TRACE_EACH if each else 0, len(data), data)
-
-    def read_trace(self) -> tuple[str, bool]:
-        """(traceparent or "", whether to trace this call on its own)."""
-        flags, length, data = _TRACE.unpack_from(self.mm, _TRACE_AT)
-        return data[:min(length, 62)].decode(errors="replace"), bool(flags & TRACE_EACH)
 
     def array(self, field: str, offset: int, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
         """A view of the segment, after checking that it lies inside the data area and is aligned."""

@@ -17,20 +17,6 @@ from tandem.v1 import expert_pb2 as pb
 NUMPY_OF = {pb.FLOAT32: np.dtype("<f4"), pb.BFLOAT16: np.dtype("<u2"), pb.INT64: np.dtype("<i8")}
 
 
-def bf16_bits_to_f32(bits: np.ndarray) -> np.ndarray:
-    """bfloat16 bit patterns (uint16) to float32, exactly."""
-    return (bits.astype(np.uint32) << 16).view(np.float32)
-
-
-def f32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
-    """float32 to bfloat16 bit patterns, rounding to nearest even: torch's own conversion (NaN stays
-    NaN), about 8x faster than numpy arithmetic at [128, 7168]."""
-    import torch
-
-    x32 = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
-    return x32.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
-
-
 def encode(array: np.ndarray, dtype: int) -> pb.Tensor:
     return pb.Tensor(dtype=dtype, shape=list(array.shape), data=np.ascontiguousarray(array).tobytes())
 

@@ -80,7 +80,7 @@ def valid_request(t: ShmTransport, cfg, moe_layer, **change) -> shm.Request:
     t.segment.array("w", s.weights, np.dtype(np.float32), (2, cfg.moe.top_k))[...] = w.numpy()
     fields = dict(layer=moe_layer, tokens=2, hidden=cfg.hidden_size, top_k=cfg.moe.top_k, x_dtype=1,
                   x_offset=s.x, ids_offset=s.ids, weights_offset=s.weights, out_offset=s.out)
-    fields.update(change)
+    fields.update({k: getattr(s, v) if isinstance(v, str) else v for k, v in change.items()})  # "x": that slot
     return shm.Request(**fields)
 
 
@@ -89,6 +89,7 @@ def valid_request(t: ShmTransport, cfg, moe_layer, **change) -> shm.Request:
     ({"ids_offset": 8}, "ids_offset"),            # inside the header
     ({"weights_offset": shm.HEADER_BYTES + 2}, "weights_offset"),  # misaligned
     ({"out_offset": -1 & (2**64 - 1)}, "out_offset"),
+    ({"out_offset": "x"}, "out_offset"),          # out would overwrite x
     ({"layer": 0}, "layer"),                      # a dense layer: no experts here
     ({"layer": 99}, "layer"),
     ({"hidden": 96}, "hidden"),

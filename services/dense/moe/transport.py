@@ -1,9 +1,10 @@
 """The two data planes from the dense side to one expert server, behind one submit/wait shape.
 
 - ShmTransport: co-located. A segment this process creates; gRPC OpenSession hands its name to
-  the server and then stays open as the liveness signal. Per call: copy in, publish, doorbell;
-  wait on the response doorbell. The name is unlinked as soon as the server has mapped it, so a
-  crash of either side leaves nothing in /dev/shm.
+  the server and then stays open as the liveness signal. Per call, tandem_native.ShmClient copies
+  in, publishes and rings, then waits on the response doorbell (GIL released) and copies out. The
+  name is unlinked as soon as the server has mapped it, so a crash of either side leaves nothing
+  in /dev/shm.
 - InlineTransport: any host. A long-lived Compute stream, tensors inline, answered in order.
 Both raise ExpertBackendError with a gRPC status name; a transport that failed is closed and the
 owner opens a new one on the next call. T tokens, D hidden size, K experts per token.
@@ -29,10 +30,17 @@ _STATUS = {0: "OK", 3: "INVALID_ARGUMENT", 13: "INTERNAL"}
 
 def to_wire(x: torch.Tensor) -> tuple[np.ndarray, int]:
     """x [T, D] as numpy float32, or bfloat16 bits when x is bfloat16 (half the bytes, exact)."""
-    x = x.detach().to("cpu")
-    if x.dtype == torch.bfloat16:
-        return x.contiguous().view(torch.int16).numpy().view(np.uint16), pb.BFLOAT16
-    return x.to(torch.float32).contiguous().numpy(), pb.FLOAT32
+    if x.dtype is torch.bfloat16:
+        return host_array(x, torch.bfloat16).view(np.uint16), pb.BFLOAT16
+    return host_array(x, torch.float32), pb.FLOAT32
+
+
+def host_array(t: torch.Tensor, dtype: torch.dtype) -> np.ndarray:
+    """t as a C-contiguous numpy array on the CPU in dtype (bfloat16 as int16 bits); a view when t is
+    one already (the common case: this is on every layer call's path)."""
+    if t.dtype is not dtype or not t.is_cpu or t.requires_grad or not t.is_contiguous():
+        t = t.detach().to("cpu", dtype).contiguous()
+    return t.view(torch.int16).numpy() if dtype is torch.bfloat16 else t.numpy()
 
 
 def from_wire(out: np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -52,17 +60,17 @@ class ShmTransport:
                  connect_timeout_s: float = 30.0):
         import tandem_native
 
-        self._tn = tandem_native
         self.hidden, self.top_k, self.max_tokens = hidden, top_k, max_tokens
         self.spin_us, self.timeout_s = spin_us, timeout_s
-        self.slots = shm.Slots.plan(max_tokens, hidden, top_k)
-        self.segment = shm.Segment.create(self.slots.end, max_tokens)
-        self._views(max_tokens, hidden, top_k)
+        self.slots = s = shm.Slots.plan(max_tokens, hidden, top_k)
+        self.segment = shm.Segment.create(s.end, max_tokens)
+        self._native = tandem_native.ShmClient(self.segment.mm, s.x, s.ids, s.weights, s.out, max_tokens, hidden,
+                                               top_k)
+        self._descriptor = tandem_native.ShmDescriptor
         self.dead = threading.Event()
         self._ready = threading.Event()
         self._closing = threading.Event()
         self._failure: grpc.RpcError | None = None
-        self._seq = 0
         self._call = stub.OpenSession(self._requests())
         threading.Thread(target=self._watch, name="shm-session", daemon=True).start()
         try:
@@ -88,10 +96,7 @@ class ShmTransport:
         finally:
             self.dead.set()
             self._ready.set()
-            try:
-                self._tn.doorbell_wake(self.segment.mm, shm.RESPONSE_SEQ)
-            except (ValueError, BufferError):
-                pass  # already closed: nobody is waiting
+            self._native.wake()  # a wait in progress sees `dead`; after close() this does nothing
 
     def _handshake(self, timeout_s: float) -> None:
         if not self._ready.wait(timeout_s) or self.dead.is_set():
@@ -105,62 +110,46 @@ class ShmTransport:
                each: bool = False):
         if self.dead.is_set():
             raise ExpertBackendError(layer, "the expert server's session ended", "UNAVAILABLE")
-        t, d = x.shape
-        k = ids.shape[1]
-        if d != self.hidden or t > self.max_tokens or k > self.top_k:
-            raise ExpertBackendError(layer, f"[{t}, {d}] x top-{k} does not fit the session", "INVALID_ARGUMENT")
-        wire_dtype = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
-        self._x[wire_dtype][:t].copy_(x)
-        self._ids[:t * k].view(t, k).copy_(ids)
-        self._w[:t * k].view(t, k).copy_(weights)
-        self.segment.write_trace(trace, each)
-        s = self.slots
-        code = pb.BFLOAT16 if wire_dtype == torch.bfloat16 else pb.FLOAT32
-        seq = self.publish(shm.Request(layer, t, d, k, code, s.x, s.ids, s.weights, s.out))
-        return layer, seq, wire_dtype, t, x.dtype, x.device
-
-    def _views(self, cap: int, hidden: int, top_k: int) -> None:
-        """Tensors over the slots, made once (a view per call costs more than the copy at T=1)."""
-        buf, s = self.segment.buf, self.slots
-
-        def view(dtype, offset, n, shape):
-            return torch.frombuffer(buf, dtype=dtype, count=n, offset=offset).view(shape)
-
-        self._x = {dt: view(dt, s.x, cap * hidden, (cap, hidden)) for dt in (torch.float32, torch.bfloat16)}
-        self._out = {dt: view(dt, s.out, cap * hidden, (cap, hidden)) for dt in (torch.float32, torch.bfloat16)}
-        self._ids = view(torch.int64, s.ids, cap * top_k, (cap * top_k,))
-        self._w = view(torch.float32, s.weights, cap * top_k, (cap * top_k,))
+        wire_dtype = torch.bfloat16 if x.dtype is torch.bfloat16 else torch.float32
+        try:
+            seq = self._native.submit(layer, host_array(x, wire_dtype), host_array(ids, torch.int64),
+                                      host_array(weights, torch.float32), trace, each)
+        except ValueError as exc:  # the call does not fit the session (hidden size, tokens, top-k)
+            raise ExpertBackendError(layer, str(exc), "INVALID_ARGUMENT") from exc
+        return layer, seq, x.shape[0], x.dtype, x.device
 
     def publish(self, request: shm.Request) -> int:
         """Writes a descriptor (its data already in place) and rings; returns its sequence number."""
-        self.segment.write_request(request)
-        self._seq = (self._seq + 1) & 0xFFFFFFFF
-        self._tn.doorbell_ring(self.segment.mm, shm.REQUEST_SEQ, self._seq)
-        return self._seq
+        r = request
+        return self._native.publish(self._descriptor(r.layer, r.tokens, r.hidden, r.top_k, r.x_dtype, r.x_offset,
+                                                     r.ids_offset, r.weights_offset, r.out_offset))
 
-    def check(self, layer: int, seq: int) -> float:
-        """Waits for the answer to call seq; raises the server's error status, if any; returns the
-        seconds the server computed."""
+    def check(self, layer: int, seq: int, out: np.ndarray | None = None) -> float:
+        """Waits for the answer to call seq; raises the server's error status, if any; copies the
+        result into out (when given); returns the seconds the server computed."""
         self._await(layer, seq)
-        status, message, compute_s = self.segment.read_response()
+        status, message, compute_s = self._native.result(out)
         if status:
             raise ExpertBackendError(layer, message, _STATUS.get(status, "INTERNAL"))
         return compute_s
 
     def wait(self, handle) -> tuple[torch.Tensor, float]:
         """([T, D] result, seconds the server computed)."""
-        layer, seq, wire_dtype, t, dtype, device = handle
-        compute_s = self.check(layer, seq)
-        return self._out[wire_dtype][:t].to(device=device, dtype=dtype, copy=True), compute_s
+        layer, seq, t, dtype, device = handle
+        out = np.empty((t, self.hidden), np.int16 if dtype is torch.bfloat16 else np.float32)
+        compute_s = self.check(layer, seq, out)
+        result = torch.from_numpy(out)
+        if dtype is torch.bfloat16:
+            result = result.view(torch.bfloat16)
+        if result.dtype is not dtype or not device.type == "cpu":
+            result = result.to(device=device, dtype=dtype)
+        return result, compute_s
 
     def _await(self, layer: int, seq: int) -> None:
         deadline = time.monotonic() + self.timeout_s
-        previous = (seq - 1) & 0xFFFFFFFF
         while True:
             left = deadline - time.monotonic()
-            value = self._tn.doorbell_wait(self.segment.mm, shm.RESPONSE_SEQ, previous, self.spin_us,
-                                           max(0.0, min(left, 0.25)))
-            if value == seq:
+            if self._native.wait(seq, self.spin_us, max(0.0, min(left, 0.25))):
                 return
             if self.dead.is_set():
                 raise ExpertBackendError(layer, "the expert server went away mid-call", "UNAVAILABLE")
@@ -172,7 +161,7 @@ class ShmTransport:
         self._closing.set()
         self._call.cancel()
         self.dead.set()
-        self._x = self._out = self._ids = self._w = None  # views pin the mapping
+        self._native.release()
         self.segment.close()
 
 

@@ -1,0 +1,47 @@
+// What the binding files share: a packed layer held from Python, and the checks on array arguments.
+#pragma once
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+
+#include <string>
+
+#include "moe.h"
+
+namespace tandem {
+
+namespace py = pybind11;
+
+// The kernel table chosen at import (bindings.cpp).
+const KernelTable& active_kernels();
+
+struct PyLayer {  // a tandem_native.MoeLayer
+    py::object owner;  // keeps the buffer alive
+    MoeLayerView view;
+};
+
+inline std::string shape_of(const py::array& a) {
+    std::string s = "[";
+    for (py::ssize_t i = 0; i < a.ndim(); ++i) s += (i ? ", " : "") + std::to_string(a.shape(i));
+    return s + "]";
+}
+
+// Checks dtype, rank, contiguity and (where given, >= 0) each dimension of an array argument.
+template <typename T>
+inline void check_array(const py::array& a, const char* name, const char* dtype, std::initializer_list<py::ssize_t> shape) {
+    if (!py::isinstance<py::array_t<T>>(a) || a.dtype().itemsize() != py::ssize_t(sizeof(T)))
+        throw std::invalid_argument(std::string(name) + ": expected dtype " + dtype + ", got " +
+                                    std::string(py::str(a.dtype())));
+    if (a.ndim() != py::ssize_t(shape.size()))
+        throw std::invalid_argument(std::string(name) + ": expected " + std::to_string(shape.size()) + " dims, got shape " +
+                                    shape_of(a));
+    if (!(a.flags() & py::array::c_style)) throw std::invalid_argument(std::string(name) + ": must be C-contiguous");
+    int i = 0;
+    for (py::ssize_t want : shape) {
+        if (want >= 0 && a.shape(i) != want)
+            throw std::invalid_argument(std::string(name) + ": shape " + shape_of(a) + ", dimension " + std::to_string(i) +
+                                        " should be " + std::to_string(want));
+        ++i;
+    }
+}
+
+}  // namespace tandem

@@ -1,0 +1,198 @@
+"""The native call path (native/src/expert_session.cpp): the Executor's checks and results, and a
+shared-memory round trip between ShmClient and ShmServer over a real segment, in one process.
+T tokens, D hidden size, K experts per token, E experts."""
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from services.common import shm_layout as shm
+from tests.reference.moe import random_layer
+
+tn = pytest.importorskip("tandem_native")
+pytestmark = pytest.mark.native
+
+E, D, I, K, CAP = 8, 64, 32, 2, 4
+LAYER = 3
+
+
+@pytest.fixture(scope="module")
+def pool():
+    return tn.ThreadPool(2)
+
+
+@pytest.fixture(scope="module")
+def layers(pool):
+    return {LAYER: tn.MoeLayer(tn.pack_experts(*random_layer(np.random.default_rng(0), E, D, I), "int8", 32, pool))}
+
+
+@pytest.fixture(scope="module")
+def executor(layers, pool):
+    return tn.Executor(layers, pool, D, E, CAP)
+
+
+def call(t, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((t, D), dtype=np.float32)
+    ids = np.stack([rng.permutation(E)[:K] for _ in range(t)]).astype(np.int64)
+    return x, ids, rng.random((t, K), dtype=np.float32)
+
+
+def bf16_bits(x: np.ndarray) -> np.ndarray:
+    return torch.from_numpy(x).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+
+
+def test_layout_numbers_agree_with_the_python_side():
+    native = tn.shm_layout()
+    assert native == {
+        "HEADER_BYTES": shm.HEADER_BYTES, "REQUEST_SEQ": shm.REQUEST_SEQ, "REQUEST_AT": shm._REQUEST_AT,
+        "RESPONSE_SEQ": shm.RESPONSE_SEQ, "RESPONSE_AT": shm._RESPONSE_AT, "MESSAGE_AT": shm._MESSAGE_AT,
+        "MESSAGE_BYTES": shm.MESSAGE_BYTES, "TRACE_AT": shm._TRACE_AT, "LAYOUT_VERSION": shm.LAYOUT_VERSION,
+        "TRACE_EACH": shm.TRACE_EACH, "X_DTYPE_CODES": shm.X_DTYPE_CODES,
+    }
+    assert shm._REQUEST.size == 52 and shm._RESPONSE.size == 20
+
+
+def test_executor_runs_the_kernels_in_float32_and_bfloat16(executor, layers, pool):
+    x, ids, w = call(3)
+    expected = np.empty_like(x)
+    tn.moe_forward(layers[LAYER], x, ids, w, expected, pool)
+    out = np.empty_like(x)
+    executor.run(LAYER, x, ids, w, out)
+    assert np.array_equal(out, expected)
+    xb = bf16_bits(x)
+    rounded = torch.from_numpy(xb.view(np.int16)).view(torch.bfloat16).float().numpy()
+    tn.moe_forward(layers[LAYER], rounded, ids, w, expected, pool)
+    outb = np.empty_like(xb)
+    executor.run(LAYER, xb, ids, w, outb)
+    assert np.array_equal(outb, bf16_bits(expected))
+
+
+@pytest.mark.parametrize("args, field", [
+    ((LAYER + 1, 1, D, K), "layer"),
+    ((LAYER, 1, D + 1, K), "hidden"),
+    ((LAYER, 0, D, K), "tokens"),
+    ((LAYER, CAP + 1, D, K), "tokens"),
+    ((LAYER, 1, D, E + 1), "top_k"),
+])
+def test_executor_check_names_the_field(executor, args, field):
+    with pytest.raises(ValueError, match=f"^{field}: "):
+        executor.check(*args)
+
+
+def test_executor_refuses_bad_arrays_and_ids(executor):
+    x, ids, w = call(2)
+    out = np.empty_like(x)
+    bad = ids.copy()
+    bad[1, 0] = E
+    for arrays, field in [((x.astype(np.float64), ids, w, out), "x"), ((x, bad, w, out), "ids"),
+                          ((x, ids, w[:1], out), "weights"), ((x, ids, w, out[:1]), "out"),
+                          ((x, ids, w, bf16_bits(x)), "out"), ((x, ids, w, x), "out")]:
+        with pytest.raises(ValueError, match=f"^{field}: "):
+            executor.run(LAYER, *arrays)
+
+
+def test_echo_executor_returns_x(layers, pool):
+    echo = tn.Executor(layers, pool, D, E, CAP, echo=True)
+    x, ids, w = call(2)
+    out = np.empty_like(x)
+    echo.run(LAYER, x, ids, w, out)
+    assert np.array_equal(out, x)
+
+
+class Session:
+    """Both ends of one segment in this process: the server end answers on a thread."""
+
+    def __init__(self, executor, spin_us=50.0):
+        self.slots = shm.Slots.plan(CAP, D, K)
+        self.segment = shm.Segment.create(self.slots.end, CAP)
+        s = self.slots
+        self.client = tn.ShmClient(self.segment.mm, s.x, s.ids, s.weights, s.out, CAP, D, K)
+        self.server = tn.ShmServer(self.segment.mm, executor, CAP, spin_us)
+        self.answers, self.stop = [], threading.Event()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self):
+        while not self.stop.is_set():
+            answered = self.server.serve_next(0.2)
+            if answered is not None:
+                self.answers.append(answered)
+
+    def close(self):
+        self.stop.set()
+        self.server.wake()
+        self.thread.join()
+        self.server.release()
+        self.client.release()
+        self.segment.close()
+
+
+@pytest.fixture
+def session(executor):
+    s = Session(executor)
+    yield s
+    s.close()
+
+
+def test_a_call_through_the_segment_equals_the_executor(session, executor):
+    x, ids, w = call(3, seed=1)
+    expected = np.empty_like(x)
+    executor.run(LAYER, x, ids, w, expected)
+    seq = session.client.submit(LAYER, x, ids, w, "00-" + "1" * 32 + "-" + "2" * 16 + "-01", True)
+    assert session.client.wait(seq, 50.0, 10.0)
+    out = np.empty_like(x)
+    status, message, compute_s = session.client.result(out)
+    assert (status, message) == (0, "") and compute_s > 0
+    assert np.array_equal(out, expected)
+    assert session.answers[-1][:3] == (0, LAYER, 3) and session.answers[-1][5:] == ("00-" + "1" * 32 + "-" + "2" * 16
+                                                                                    + "-01", True)
+    xb = bf16_bits(x)
+    seq = session.client.submit(LAYER, xb, ids, w)
+    assert session.client.wait(seq, 50.0, 10.0)
+    outb = np.empty_like(xb)
+    assert session.client.result(outb)[0] == 0
+    expected_b = np.empty_like(xb)
+    executor.run(LAYER, xb, ids, w, expected_b)
+    assert np.array_equal(outb, expected_b)
+
+
+def test_expert_ids_are_checked_on_the_servers_copy(session):
+    x, ids, w = call(2)
+    ids[0, 1] = -1
+    seq = session.client.submit(LAYER, x, ids, w)
+    assert session.client.wait(seq, 50.0, 10.0)
+    status, message, _ = session.client.result()
+    assert status == 3 and message.startswith("ids: expert id -1")
+
+
+@pytest.mark.parametrize("change, field", [
+    (lambda a: (a[0].astype(np.float64),) + a[1:], "x"),
+    (lambda a: (np.zeros((1, D + 1), np.float32),) + a[1:], "x"),
+    (lambda a: (np.zeros((CAP + 1, D), np.float32),) + a[1:], "x"),
+    (lambda a: (a[0], a[1].astype(np.int32), a[2]), "ids"),
+    (lambda a: (a[0], np.zeros((2, K + 1), np.int64), a[2]), "ids"),
+    (lambda a: (a[0], a[1], a[2][:, :1]), "weights"),
+])
+def test_client_submit_checks_its_arguments(session, change, field):
+    with pytest.raises(ValueError, match=f"^{field}: "):
+        session.client.submit(LAYER, *change(call(2)))
+
+
+def test_a_wake_ends_a_wait_and_release_makes_calls_fail_cleanly(executor):
+    s = Session(executor)
+    x, ids, w = call(1)
+    s.stop.set()
+    s.server.wake()
+    s.thread.join()
+    seq = s.client.submit(LAYER, x, ids, w)  # nobody answers now
+    threading.Timer(0.1, s.client.wake).start()
+    assert not s.client.wait(seq, 0.0, 10.0)
+    s.server.release()
+    s.client.release()
+    with pytest.raises(RuntimeError, match="released"):
+        s.client.submit(LAYER, x, ids, w)
+    s.segment.close()
+    assert s.segment.mm.closed

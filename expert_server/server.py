@@ -75,7 +75,9 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
             except TandemError as exc:
                 abort(context, exc)
             calls.record(req.traceparent, req.trace_each, req.layer, x.shape[0], start, end)
-            yield pb.ComputeResponse(out=wire.encode(out, req.x.dtype), compute_s=(end - start) / 1e9)
+            response = pb.ComputeResponse(compute_s=(end - start) / 1e9)
+            wire.encode(response.out, out, req.x.dtype)
+            yield response
             if self.draining.is_set():
                 return
 

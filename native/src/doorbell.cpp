@@ -26,26 +26,31 @@ void futex_sleep(uint32_t* word, uint32_t expected, double seconds) {
 
 uint32_t bell_load(const uint32_t* word) { return __atomic_load_n(word, __ATOMIC_ACQUIRE); }
 
-void bell_ring(uint32_t* word, uint32_t value) {
-    __atomic_store_n(word, value, __ATOMIC_RELEASE);
-    bell_wake(word);
+void bell_ring(Bell bell, uint32_t value) {
+    __atomic_store_n(bell.seq, value, __ATOMIC_SEQ_CST);
+    // Either a sleeper counted itself before this load and is woken, or it reads the new value
+    // before sleeping (both sides are sequentially consistent); FUTEX_WAIT rechecks the value too.
+    if (__atomic_load_n(bell.sleepers, __ATOMIC_SEQ_CST) != 0) bell_wake(bell);
 }
 
-void bell_wake(uint32_t* word) { syscall(SYS_futex, word, FUTEX_WAKE, INT32_MAX, nullptr, nullptr, 0); }
+void bell_wake(Bell bell) { syscall(SYS_futex, bell.seq, FUTEX_WAKE, INT32_MAX, nullptr, nullptr, 0); }
 
-uint32_t bell_wait(uint32_t* word, uint32_t old_value, double spin_us, double timeout_s) {
+uint32_t bell_wait(Bell bell, uint32_t old_value, double spin_us, double timeout_s) {
     using clock = std::chrono::steady_clock;
     const auto start = clock::now();
     const auto spin_end = start + std::chrono::duration<double, std::micro>(spin_us);
-    uint32_t value = bell_load(word);
+    uint32_t value = bell_load(bell.seq);
     while (value == old_value && clock::now() < spin_end) {
         __builtin_ia32_pause();
-        value = bell_load(word);
+        value = bell_load(bell.seq);
     }
     if (value != old_value) return value;
+    __atomic_add_fetch(bell.sleepers, 1, __ATOMIC_SEQ_CST);
+    value = __atomic_load_n(bell.seq, __ATOMIC_SEQ_CST);
     const double left = timeout_s - std::chrono::duration<double>(clock::now() - start).count();
-    if (left > 0) futex_sleep(word, old_value, left);
-    return bell_load(word);
+    if (value == old_value && left > 0) futex_sleep(bell.seq, old_value, left);
+    __atomic_sub_fetch(bell.sleepers, 1, __ATOMIC_SEQ_CST);
+    return bell_load(bell.seq);
 }
 
 int64_t wall_ns() {

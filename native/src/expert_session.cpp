@@ -32,9 +32,10 @@ namespace tandem {
 namespace {
 
 namespace layout {
-constexpr size_t kHeaderBytes = 512, kRequestSeq = 64, kRequest = 68, kResponseSeq = 128, kResponse = 132,
-                 kMessage = 192, kMessageBytes = 256, kTrace = 448, kTraceBytes = 62;
-constexpr uint32_t kVersion = 2, kF32 = 1, kBF16 = 2, kTraceEach = 1;
+constexpr size_t kHeaderBytes = 512, kRequestSeq = 64, kRequest = 68, kRequestSleepers = 120, kResponseSeq = 128,
+                 kResponse = 132, kResponseSleepers = 152, kMessage = 192, kMessageBytes = 256, kTrace = 448,
+                 kTraceBytes = 62;
+constexpr uint32_t kVersion = 3, kF32 = 1, kBF16 = 2, kTraceEach = 1;
 constexpr uint32_t kOk = 0, kInvalidArgument = 3, kInternal = 13;
 }  // namespace layout
 
@@ -204,6 +205,8 @@ public:
     }
     size_t size() const { return size_; }
     uint32_t* word(size_t offset) const { return reinterpret_cast<uint32_t*>(base() + offset); }
+    Bell request() const { return {word(layout::kRequestSeq), word(layout::kRequestSleepers)}; }
+    Bell response() const { return {word(layout::kResponseSeq), word(layout::kResponseSleepers)}; }
 
     // [offset, offset + nbytes) inside the data area and aligned to `align`, or an error naming field.
     uint8_t* region(const char* field, uint64_t offset, uint64_t nbytes, uint64_t align) const {
@@ -263,8 +266,7 @@ public:
     // else (status, layer, tokens, start_ns, end_ns, traceparent, trace_each) of the call answered.
     py::object serve_next(double timeout_s) {
         check_wait(0, timeout_s);
-        uint32_t* request = map_.word(layout::kRequestSeq);
-        uint32_t* response = map_.word(layout::kResponseSeq);
+        const Bell request = map_.request(), response = map_.response();
         Mapping::Busy busy(map_);
         bool called = false;
         {
@@ -283,7 +285,7 @@ public:
     }
 
     void wake() {
-        if (!map_.released()) bell_wake(map_.word(layout::kRequestSeq));
+        if (!map_.released()) bell_wake(map_.request());
     }
 
     void release() { map_.release(); }
@@ -353,6 +355,60 @@ private:
 
 // ------------------------------------------------------------------------------------ client end
 
+// A 2-D C-contiguous array in host memory, read from a numpy array or a CPU torch.Tensor (through
+// its Python attributes: this module does not link libtorch; a layer call's tensors pass without a
+// numpy conversion each).
+struct HostArray {
+    enum Kind { kF32, kBF16, kI64, kOther };
+    const void* data;
+    int64_t rows, cols;
+    Kind kind;
+
+    size_t nbytes() const { return size_t(rows * cols) * (kind == kBF16 ? 2 : kind == kF32 ? 4 : 8); }
+};
+
+struct TorchNames {  // torch's type and dtypes, looked up once
+    py::object tensor, f32, bf16, i64;
+};
+
+const TorchNames& torch_names() {
+    static const TorchNames* names = [] {
+        py::module_ torch = py::module_::import("torch");
+        return new TorchNames{torch.attr("Tensor"), torch.attr("float32"), torch.attr("bfloat16"), torch.attr("int64")};
+    }();
+    return *names;
+}
+
+HostArray host_array(py::handle obj, const char* name) {
+    const std::string field(name);
+    if (py::isinstance<py::array>(obj)) {
+        const auto a = py::reinterpret_borrow<py::array>(obj);
+        if (a.ndim() != 2 || !(a.flags() & py::array::c_style))
+            throw Invalid(field + ": expected a C-contiguous 2-D array, got shape " + shape_of(a));
+        const char kind = a.dtype().kind();
+        const auto size = a.itemsize();
+        HostArray::Kind k = HostArray::kOther;
+        if (kind == 'f' && size == 4) k = HostArray::kF32;
+        if ((kind == 'i' || kind == 'u') && size == 2) k = HostArray::kBF16;
+        if (kind == 'i' && size == 8) k = HostArray::kI64;
+        return {a.data(), a.shape(0), a.shape(1), k};
+    }
+    const TorchNames& torch = torch_names();
+    if (!py::isinstance(obj, torch.tensor)) throw Invalid(field + ": expected a torch.Tensor or a numpy array");
+    if (!obj.attr("is_cpu").cast<bool>() || !obj.attr("is_contiguous")().cast<bool>())
+        throw Invalid(field + ": must be a contiguous CPU tensor");
+    const auto shape = obj.attr("shape").cast<py::tuple>();
+    if (shape.size() != 2) throw Invalid(field + ": expected 2 dims, got " + std::to_string(shape.size()));
+    const py::object dtype = obj.attr("dtype");
+    HostArray::Kind k = dtype.is(torch.f32)    ? HostArray::kF32
+                        : dtype.is(torch.bf16) ? HostArray::kBF16
+                        : dtype.is(torch.i64)  ? HostArray::kI64
+                                               : HostArray::kOther;
+    const auto data = reinterpret_cast<const void*>(obj.attr("data_ptr")().cast<uintptr_t>());
+    return {data, shape[0].cast<int64_t>(), shape[1].cast<int64_t>(), k};
+}
+
+
 struct Slots {
     uint64_t x, ids, weights, out;
 };
@@ -368,26 +424,32 @@ public:
         seq_ = bell_load(map_.word(layout::kRequestSeq));
     }
 
-    // Copies a call into its slots and publishes it; returns its sequence number.
-    uint32_t submit(uint32_t layer, py::array x, py::array ids, py::array weights, const std::string& traceparent,
-                    bool each) {
-        const uint32_t code = x_code(x, "x");
-        check_x(x, "x", -1, hidden_);
-        const int64_t T = x.shape(0);
+    // Copies a call into its slots and publishes it; returns its sequence number. x [T, D] float32
+    // or bfloat16, ids [T, K] int64, weights [T, K] float32: CPU tensors or numpy arrays.
+    uint32_t submit(uint32_t layer, py::handle x_obj, py::handle ids_obj, py::handle weights_obj,
+                    const std::string& traceparent, bool each) {
+        const HostArray x = host_array(x_obj, "x"), ids = host_array(ids_obj, "ids");
+        const HostArray weights = host_array(weights_obj, "weights");
+        if (x.kind != HostArray::kF32 && x.kind != HostArray::kBF16)
+            throw Invalid("x: expected float32 or bfloat16 (bits in int16/uint16)");
+        if (x.cols != hidden_) throw Invalid("x: hidden size " + std::to_string(x.cols) + ", the session's is " + str(hidden_));
+        const int64_t T = x.rows, K = ids.cols;
         if (T < 1 || T > max_tokens_)
             throw Invalid("x: " + std::to_string(T) + " tokens is outside the session's [1, " + str(max_tokens_) + "]");
-        check_array<int64_t>(ids, "ids", "int64", {T, -1});
-        const int64_t K = ids.shape(1);
+        if (ids.kind != HostArray::kI64 || ids.rows != T)
+            throw Invalid("ids: expected int64 [" + std::to_string(T) + ", K]");
         if (K < 1 || K > top_k_) throw Invalid("ids: top-k " + std::to_string(K) + " is outside [1, " + str(top_k_) + "]");
-        check_array<float>(weights, "weights", "float32", {T, K});
+        if (weights.kind != HostArray::kF32 || weights.rows != T || weights.cols != K)
+            throw Invalid("weights: expected float32 [" + std::to_string(T) + ", " + std::to_string(K) + "]");
         uint8_t* base = map_.base();
-        std::memcpy(base + slots_.x, x.data(), size_t(x.nbytes()));
-        std::memcpy(base + slots_.ids, ids.data(), size_t(ids.nbytes()));
-        std::memcpy(base + slots_.weights, weights.data(), size_t(weights.nbytes()));
+        std::memcpy(base + slots_.x, x.data, x.nbytes());
+        std::memcpy(base + slots_.ids, ids.data, ids.nbytes());
+        std::memcpy(base + slots_.weights, weights.data, weights.nbytes());
         const size_t length = std::min(traceparent.size(), layout::kTraceBytes);
         base[layout::kTrace] = each ? layout::kTraceEach : 0;
         base[layout::kTrace + 1] = uint8_t(length);
         std::memcpy(base + layout::kTrace + 2, traceparent.data(), length);
+        const uint32_t code = x.kind == HostArray::kF32 ? layout::kF32 : layout::kBF16;
         tokens_ = T, x_code_ = code;
         return publish({layer, uint32_t(T), uint32_t(hidden_), uint32_t(K), code, slots_.x, slots_.ids,
                         slots_.weights, slots_.out});
@@ -398,17 +460,23 @@ public:
         uint8_t* base = map_.base();
         d.write(base);
         seq_ += 1;
-        bell_ring(map_.word(layout::kRequestSeq), seq_);
+        bell_ring(map_.request(), seq_);
         return seq_;
     }
 
     // Whether the answer to call seq came within timeout_s (false: a timeout or a wake).
     bool wait(uint32_t seq, double spin_us, double timeout_s) {
         check_wait(spin_us, timeout_s);
-        uint32_t* response = map_.word(layout::kResponseSeq);
+        const Bell response = map_.response();
         Mapping::Busy busy(map_);
         py::gil_scoped_release release;
         return bell_wait(response, seq - 1, spin_us, timeout_s) == seq;
+    }
+
+    // wait() then result(): None when no answer came within timeout_s (or a wake ended the wait).
+    py::object finish(uint32_t seq, double spin_us, double timeout_s, py::object out) {
+        if (!wait(seq, spin_us, timeout_s)) return py::none();
+        return result(out);
     }
 
     // (status, message, seconds the server computed) of the last answer; with status 0 and out given,
@@ -435,7 +503,7 @@ public:
     }
 
     void wake() {
-        if (!map_.released()) bell_wake(map_.word(layout::kResponseSeq));
+        if (!map_.released()) bell_wake(map_.response());
     }
 
     void release() { map_.release(); }
@@ -453,6 +521,7 @@ py::dict layout_numbers() {
     d["HEADER_BYTES"] = layout::kHeaderBytes, d["REQUEST_SEQ"] = layout::kRequestSeq;
     d["REQUEST_AT"] = layout::kRequest, d["RESPONSE_SEQ"] = layout::kResponseSeq;
     d["RESPONSE_AT"] = layout::kResponse, d["MESSAGE_AT"] = layout::kMessage;
+    d["REQUEST_SLEEPERS"] = layout::kRequestSleepers, d["RESPONSE_SLEEPERS"] = layout::kResponseSleepers;
     d["MESSAGE_BYTES"] = layout::kMessageBytes, d["TRACE_AT"] = layout::kTrace;
     d["LAYOUT_VERSION"] = layout::kVersion, d["TRACE_EACH"] = layout::kTraceEach;
     d["X_DTYPE_CODES"] = py::dict(py::arg("float32") = layout::kF32, py::arg("bfloat16") = layout::kBF16);
@@ -505,6 +574,8 @@ void register_expert_sessions(py::module_& m) {
              "Whether the answer to seq came within timeout_s (GIL released)")
         .def("result", &ShmClient::result, py::arg("out") = py::none(),
              "(status, message, compute_s) of the answer; copies the result into out when status is 0")
+        .def("finish", &ShmClient::finish, py::arg("seq"), py::arg("spin_us"), py::arg("timeout_s"),
+             py::arg("out") = py::none(), "wait() then result(): None when no answer came")
         .def("wake", &ShmClient::wake, "Ends a wait in progress")
         .def("release", &ShmClient::release, "Lets go of the segment");
 }

@@ -4,16 +4,17 @@ The dense side creates the segment and writes requests; the expert server maps i
 handshake and writes results. All integers little-endian. Byte offsets:
 
     0    magic b"TNDSHM01", u32 layout version, u32 header bytes, u64 segment bytes, u32 max tokens
-    64   request line: u32 request sequence (futex word), then the descriptor (REQUEST below)
+    64   request line: u32 request sequence (futex word), then the descriptor (REQUEST below);
+         at 120, u32 count of the request word's sleepers
     128  response line: u32 response sequence (futex word), u32 status, u32 message length, u32 0,
-         f64 seconds the server computed
+         f64 seconds the server computed; at 152, u32 count of the response word's sleepers
     192  response message (UTF-8, MESSAGE_BYTES at most)
     448  trace context of the call: u8 flags (1: trace this call on its own), u8 length, then the
          W3C traceparent (ASCII, 55 bytes; length 0: not traced)
     512  data: slots for x [T, D], ids [T, K], weights [T, K], out [T, D], each 64-byte aligned
 
-A call: write the data and the descriptor, then publish the request sequence with release
-ordering and ring; the server reads with acquire ordering, computes, writes out, status and
+A call: write the data and the descriptor, then publish the request sequence and ring (a futex
+wake only when the word has sleepers); the server reads with acquire ordering, computes, writes out, status and
 message, then publishes the response sequence (equal to the request's) and rings back.
 Every offset and size read from the other side is checked against the segment before use.
 
@@ -39,7 +40,7 @@ import numpy as np
 from services.common.errors import InvalidRequestError
 
 MAGIC = b"TNDSHM01"
-LAYOUT_VERSION = 2
+LAYOUT_VERSION = 3
 HEADER_BYTES = 512
 MESSAGE_BYTES = 448 - 192
 ALIGN = 64
@@ -55,6 +56,8 @@ _REQUEST = struct.Struct("<IIIIIQQQQ")
 _REQUEST_AT = REQUEST_SEQ + 4
 _RESPONSE = struct.Struct("<IIId")
 _RESPONSE_AT = RESPONSE_SEQ + 4
+REQUEST_SLEEPERS = 120
+RESPONSE_SLEEPERS = 152
 _MESSAGE_AT = 192
 _TRACE_AT = 448
 _TRACE = struct.Struct("<BB62s")

@@ -17,8 +17,12 @@ from tandem.v1 import expert_pb2 as pb
 NUMPY_OF = {pb.FLOAT32: np.dtype("<f4"), pb.BFLOAT16: np.dtype("<u2"), pb.INT64: np.dtype("<i8")}
 
 
-def encode(array: np.ndarray, dtype: int) -> pb.Tensor:
-    return pb.Tensor(dtype=dtype, shape=list(array.shape), data=np.ascontiguousarray(array).tobytes())
+def encode(into: pb.Tensor, array: np.ndarray, dtype: int) -> None:
+    """Fills a message's Tensor field in place (several times faster than building a Tensor with
+    keyword arguments and copying it in, with upb, for tensors of tens of kilobytes)."""
+    into.dtype = dtype
+    into.shape[:] = array.shape
+    into.data = np.ascontiguousarray(array).tobytes()
 
 
 def decode(field: str, tensor: pb.Tensor, allowed: tuple[int, ...], rank: int) -> np.ndarray:
@@ -30,6 +34,7 @@ def decode(field: str, tensor: pb.Tensor, allowed: tuple[int, ...], rank: int) -
     if len(shape) != rank or any(n < 0 for n in shape):
         raise InvalidRequestError(f"{field}.shape: expected {rank} non-negative dims, got {list(shape)}")
     dtype = NUMPY_OF[tensor.dtype]
-    if len(tensor.data) != math.prod(shape) * dtype.itemsize:
-        raise InvalidRequestError(f"{field}.data: {len(tensor.data)} bytes do not hold a {list(shape)} tensor")
-    return np.frombuffer(tensor.data, dtype=dtype).reshape(shape)
+    data = tensor.data  # a copy on each access
+    if len(data) != math.prod(shape) * dtype.itemsize:
+        raise InvalidRequestError(f"{field}.data: {len(data)} bytes do not hold a {list(shape)} tensor")
+    return np.frombuffer(data, dtype=dtype).reshape(shape)

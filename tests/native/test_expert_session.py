@@ -51,8 +51,10 @@ def test_layout_numbers_agree_with_the_python_side():
         "RESPONSE_SEQ": shm.RESPONSE_SEQ, "RESPONSE_AT": shm._RESPONSE_AT, "MESSAGE_AT": shm._MESSAGE_AT,
         "MESSAGE_BYTES": shm.MESSAGE_BYTES, "TRACE_AT": shm._TRACE_AT, "LAYOUT_VERSION": shm.LAYOUT_VERSION,
         "TRACE_EACH": shm.TRACE_EACH, "X_DTYPE_CODES": shm.X_DTYPE_CODES,
+        "REQUEST_SLEEPERS": shm.REQUEST_SLEEPERS, "RESPONSE_SLEEPERS": shm.RESPONSE_SLEEPERS,
     }
-    assert shm._REQUEST.size == 52 and shm._RESPONSE.size == 20
+    assert shm._REQUEST_AT + shm._REQUEST.size <= shm.REQUEST_SLEEPERS < shm.RESPONSE_SEQ  # one line each
+    assert shm._RESPONSE_AT + shm._RESPONSE.size <= shm.RESPONSE_SLEEPERS < shm._MESSAGE_AT
 
 
 def test_executor_runs_the_kernels_in_float32_and_bfloat16(executor, layers, pool):

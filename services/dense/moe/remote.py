@@ -149,7 +149,7 @@ class RemoteExperts(ExpertBackend):
         if x.shape[0] > server.capacity:  # over a call's capacity: run it in pieces, one after the other
             parts = [self.forward(layer, *chunk) for chunk in zip(*(
                 t.split(server.capacity) for t in (x, ids, weights)))]
-            return None, torch.cat(parts), None
+            return None, torch.cat(parts), None, 0.0, 0
         span = None
         if self.trace_each and trace.get_current_span().is_recording():
             span = _tracer.start_span("expert_call", attributes={"tandem.layer": layer, "tandem.tokens": x.shape[0]})
@@ -160,23 +160,22 @@ class RemoteExperts(ExpertBackend):
                 inner = transport.submit(layer, x, ids, weights, telemetry.traceparent(span), span is not None)
             except grpc.RpcError as exc:
                 raise rpc_error(layer, exc) from exc
-        return transport, inner, (span, started, x.nbytes + ids.nbytes + weights.nbytes)
+        return transport, inner, span, started, x.nbytes + ids.nbytes + weights.nbytes
 
     def wait(self, handle):
-        transport, inner, meta = handle
+        transport, inner, span, started, sent = handle
         if transport is None:
             return inner
         out, compute_s = transport.wait(inner)
-        span, started, sent = meta
         call_s = time.perf_counter() - started
         if span is not None:
             span.set_attribute("tandem.expert_s", compute_s)
             span.end()
         s = self._step
         s["calls"] += 1
-        s["bytes"] += sent + out.nbytes
         s["expert_s"] += compute_s
         s["transport_s"] += max(0.0, call_s - compute_s)
+        s["bytes"] += sent + out.nbytes
         return out
 
     def take_step_stats(self) -> dict:

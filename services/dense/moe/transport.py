@@ -110,13 +110,16 @@ class ShmTransport:
                each: bool = False):
         if self.dead.is_set():
             raise ExpertBackendError(layer, "the expert server's session ended", "UNAVAILABLE")
-        wire_dtype = torch.bfloat16 if x.dtype is torch.bfloat16 else torch.float32
-        try:
-            seq = self._native.submit(layer, host_array(x, wire_dtype), host_array(ids, torch.int64),
-                                      host_array(weights, torch.float32), trace, each)
-        except ValueError as exc:  # the call does not fit the session (hidden size, tokens, top-k)
-            raise ExpertBackendError(layer, str(exc), "INVALID_ARGUMENT") from exc
-        return layer, seq, x.shape[0], x.dtype, x.device
+        try:  # CPU tensors of the wire's dtypes go as they are
+            seq = self._native.submit(layer, x, ids, weights, trace, each)
+        except ValueError:  # on another device, of another dtype or strided: converted, then checked again
+            wire_dtype = torch.bfloat16 if x.dtype is torch.bfloat16 else torch.float32
+            try:
+                seq = self._native.submit(layer, host_array(x, wire_dtype), host_array(ids, torch.int64),
+                                          host_array(weights, torch.float32), trace, each)
+            except ValueError as exc:  # the call does not fit the session (hidden size, tokens, top-k)
+                raise ExpertBackendError(layer, str(exc), "INVALID_ARGUMENT") from exc
+        return layer, seq, x.shape[0], x.dtype, None if x.is_cpu else x.device
 
     def publish(self, request: shm.Request) -> int:
         """Writes a descriptor (its data already in place) and rings; returns its sequence number."""
@@ -127,35 +130,40 @@ class ShmTransport:
     def check(self, layer: int, seq: int, out: np.ndarray | None = None) -> float:
         """Waits for the answer to call seq; raises the server's error status, if any; copies the
         result into out (when given); returns the seconds the server computed."""
-        self._await(layer, seq)
-        status, message, compute_s = self._native.result(out)
+        first_s = min(self.timeout_s, 0.25)
+        answer = self._native.finish(seq, self.spin_us, first_s, out)
+        if answer is None:
+            answer = self._await(layer, seq, out, self.timeout_s - first_s)
+        status, message, compute_s = answer
         if status:
             raise ExpertBackendError(layer, message, _STATUS.get(status, "INTERNAL"))
         return compute_s
 
     def wait(self, handle) -> tuple[torch.Tensor, float]:
         """([T, D] result, seconds the server computed)."""
-        layer, seq, t, dtype, device = handle
+        layer, seq, t, dtype, device = handle  # device: None for the CPU
         out = np.empty((t, self.hidden), np.int16 if dtype is torch.bfloat16 else np.float32)
         compute_s = self.check(layer, seq, out)
         result = torch.from_numpy(out)
         if dtype is torch.bfloat16:
             result = result.view(torch.bfloat16)
-        if result.dtype is not dtype or not device.type == "cpu":
+        if result.dtype is not dtype or device is not None:
             result = result.to(device=device, dtype=dtype)
         return result, compute_s
 
-    def _await(self, layer: int, seq: int) -> None:
-        deadline = time.monotonic() + self.timeout_s
+    def _await(self, layer: int, seq: int, out: np.ndarray | None, left_s: float) -> tuple[int, str, float]:
+        """The slow path of check(): waits in slices, watching the session and the deadline."""
+        deadline = time.monotonic() + left_s
         while True:
-            left = deadline - time.monotonic()
-            if self._native.wait(seq, self.spin_us, max(0.0, min(left, 0.25))):
-                return
             if self.dead.is_set():
                 raise ExpertBackendError(layer, "the expert server went away mid-call", "UNAVAILABLE")
+            left = deadline - time.monotonic()
             if left <= 0:
                 self.dead.set()  # the server may still answer later: this session cannot be reused
                 raise ExpertBackendError(layer, f"no answer within {self.timeout_s:g} s", "DEADLINE_EXCEEDED")
+            answer = self._native.finish(seq, self.spin_us, min(left, 0.25), out)
+            if answer is not None:
+                return answer
 
     def close(self) -> None:
         self._closing.set()
@@ -188,13 +196,11 @@ class InlineTransport:
                each: bool = False):
         if self.dead.is_set():
             raise ExpertBackendError(layer, "the stream to the expert server ended", "UNAVAILABLE")
-        xs, code = to_wire(x)
-        self._queue.put(pb.ComputeRequest(
-            layer=layer, x=wire.encode(xs, code),
-            ids=wire.encode(ids.detach().to("cpu", torch.int64).numpy(), pb.INT64),
-            weights=wire.encode(weights.detach().to("cpu", torch.float32).numpy(), pb.FLOAT32),
-            traceparent=trace, trace_each=each,
-        ))
+        request = pb.ComputeRequest(layer=layer, traceparent=trace, trace_each=each)
+        wire.encode(request.x, *to_wire(x))
+        wire.encode(request.ids, host_array(ids, torch.int64), pb.INT64)
+        wire.encode(request.weights, host_array(weights, torch.float32), pb.FLOAT32)
+        self._queue.put(request)
         self._deadline = time.monotonic() + self.timeout_s
         return layer, x.dtype, x.device
 

@@ -111,6 +111,19 @@ def test_bad_shm_descriptor_is_invalid_argument_and_the_session_keeps_serving(st
         t.close()
 
 
+def test_shm_converts_strided_or_other_dtype_inputs_first(stub, model):
+    _, cfg, layer = model
+    t = shm_transport(stub, cfg)
+    try:
+        x, ids, w = inputs(cfg, 3, seed=2)
+        expected = t.wait(t.submit(layer, x, ids, w))[0]
+        strided = x.T.contiguous().T
+        got = t.wait(t.submit(layer, strided, ids.int(), w.double()))[0]
+        assert not strided.is_contiguous() and torch.equal(got, expected)
+    finally:
+        t.close()
+
+
 def test_expert_id_out_of_range_is_invalid_argument(stub, model):
     _, cfg, layer = model
     x, ids, w = inputs(cfg, 2)

@@ -198,3 +198,22 @@ def test_a_wake_ends_a_wait_and_release_makes_calls_fail_cleanly(executor):
         s.client.submit(LAYER, x, ids, w)
     s.segment.close()
     assert s.segment.mm.closed
+
+
+def test_client_takes_cpu_tensors_as_they_are_and_refuses_others(session, executor):
+    x, ids, w = call(2, seed=3)
+    expected = np.empty_like(x)
+    executor.run(LAYER, x, ids, w, expected)
+    seq = session.client.submit(LAYER, torch.from_numpy(x), torch.from_numpy(ids), torch.from_numpy(w))
+    out = np.empty_like(x)
+    assert session.client.finish(seq, 50.0, 10.0, out)[0] == 0
+    assert np.array_equal(out, expected)
+    strided = torch.from_numpy(np.ascontiguousarray(x.T)).T
+    for args, field in [((strided, torch.from_numpy(ids), torch.from_numpy(w)), "x"),
+                        ((torch.from_numpy(x).double(), torch.from_numpy(ids), torch.from_numpy(w)), "x"),
+                        ((torch.from_numpy(x), torch.from_numpy(ids).int(), torch.from_numpy(w)), "ids"),
+                        ((torch.from_numpy(x), torch.from_numpy(ids), torch.from_numpy(w).half()), "weights"),
+                        ((torch.from_numpy(x)[0], torch.from_numpy(ids), torch.from_numpy(w)), "x"),
+                        (([[0.0] * D], torch.from_numpy(ids), torch.from_numpy(w)), "x")]:
+        with pytest.raises(ValueError, match=f"^{field}: "):
+            session.client.submit(LAYER, *args)

@@ -112,7 +112,7 @@ def main(argv=None) -> None:
     store, _ = packed_store(path, "int4", cfg.threads)
     _, model_cfg = open_checkpoint(path)
     load = ForeignLoad()
-    with ServerProcess(path, "int4", cfg.threads, extra=("--store", str(store))) as server:
+    with ServerProcess.expert(path, "int4", cfg.threads, extra=("--store", str(store))) as server:
         experts = RemoteExperts(model_cfg, RemoteConfig(addresses=(server.address,), transport="shm"))
         model, _ = load_model(path, DenseRuntime(cfg.dense_dtype, "cpu"), experts)
 

@@ -88,7 +88,7 @@ def main(argv=None) -> None:
     _, model_cfg = open_checkpoint(path)
     load = ForeignLoad()
     rows = []
-    with ServerProcess(path, "int4", a.threads, extra=("--store", str(store))) as experts_proc:
+    with ServerProcess.expert(path, "int4", a.threads, extra=("--store", str(store))) as experts_proc:
         experts = RemoteExperts(model_cfg, RemoteConfig(addresses=(experts_proc.address,), transport="shm"))
         model, _ = load_model(path, DenseRuntime("bfloat16", "cpu"), experts)
         engine = Engine(model, EngineConfig(kv_blocks=256, block_size=16, max_batch_tokens=512))

@@ -7,7 +7,9 @@ Measured in one run, side by side:
             for out[...] = x: the backend's own tensor conversions, no kernel), shared memory
             (RemoteExperts transport=shm) and inline gRPC over loopback (transport=grpc), both
             against a `python -m expert_server --echo` child (it returns x unchanged, after the same
-            copy). Thousands of calls each, after warm-up.
+            copy); and grpc-floor, grpcio by itself: the same request's bytes echoed over a
+            bytes-only stream by a bench/_grpc_echo.py child, the least any Python gRPC path pays
+            on this machine. Thousands of calls each, after warm-up.
   decode    tokens/s decoding greedily on the bench checkpoint (bench/checkpoint.py: qwen3_moe,
             hidden 2048, 64 experts, top-8, 6 layers) with int4 experts: a co-located expert server
             child (shm, --threads 2, from the packed store) against NativeExperts in-process
@@ -112,12 +114,15 @@ FULL = dict(call_iters={1: (1000, 10000), 128: (100, 1000)}, call_rounds=5, gap_
 
 
 class ServerProcess:
-    """A `python -m expert_server` child; its port is read from its "ready on port N" line, and
+    """A server child (`python -m expert_server`, or another command that prints "ready on port N");
     ready_s is the time from spawning it to that line."""
 
-    def __init__(self, model: Path, fmt: str, threads: int, extra: tuple[str, ...] = ()):
-        cmd = [sys.executable, "-m", "expert_server", "--model", str(model), "--format", fmt, "--threads", str(threads),
-               "--listen", "127.0.0.1:0", "--drain-seconds", "2", *extra]  # fmt: skip
+    @staticmethod
+    def expert(model: Path, fmt: str, threads: int, extra: tuple[str, ...] = ()) -> "ServerProcess":
+        return ServerProcess([sys.executable, "-m", "expert_server", "--model", str(model), "--format", fmt,
+                              "--threads", str(threads), "--listen", "127.0.0.1:0", "--drain-seconds", "2", *extra])
+
+    def __init__(self, cmd: list[str]):
         self.lines: list[str] = []
         t0 = time.perf_counter()
         self.proc = subprocess.Popen(cmd, cwd=REPO, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
@@ -197,6 +202,44 @@ def inprocess_echo(layers: list[int]):
     return backend
 
 
+class GrpcFloor:
+    """The floor under the inline gRPC path: the bytes of this call's ComputeRequest, serialized once,
+    sent down a bidirectional stream (the same queue-fed shape as InlineTransport) to
+    bench/_grpc_echo.py, which yields them back; forward returns x once the echo came back whole."""
+
+    def __init__(self, address: str, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor):
+        import queue
+
+        import grpc
+
+        from bench._grpc_echo import METHOD
+        from services.common import wire
+        from services.dense.moe.remote import CHANNEL_OPTIONS
+        from services.dense.moe.transport import host_array, to_wire
+        from tandem.v1 import expert_pb2 as pb
+
+        request = pb.ComputeRequest(layer=layer)
+        wire.encode(request.x, *to_wire(x))
+        wire.encode(request.ids, host_array(ids, torch.int64), pb.INT64)
+        wire.encode(request.weights, host_array(weights, torch.float32), pb.FLOAT32)
+        self.payload, self.x = request.SerializeToString(), x
+        self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        echo = self.channel.stream_stream(METHOD, request_serializer=bytes, response_deserializer=bytes)
+        self.call = echo(iter(self.queue.get, None))
+
+    def forward(self, layer, x, ids, weights):
+        self.queue.put(self.payload)
+        if len(next(self.call)) != len(self.payload):
+            raise AssertionError("the gRPC echo came back short")
+        return self.x
+
+    def close(self) -> None:
+        self.queue.put(None)
+        self.call.cancel()
+        self.channel.close()
+
+
 def call_inputs(tokens: int, dtype: torch.dtype, experts: int, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(tokens, HIDDEN, generator=g).to(dtype)
@@ -232,11 +275,12 @@ def summary(times: np.ndarray) -> dict:
             "mean_us": float(us.mean()), "max_us": float(us.max()), "calls": len(us)}  # fmt: skip
 
 
-PATHS = ("in-process", "shm", "grpc")
+PATHS = ("in-process", "shm", "grpc", "grpc-floor")
 PATH_NOTES = {
     "in-process": "NativeExperts.submit/wait, kernel swapped for out[...]=x",
     "shm": "RemoteExperts transport=shm -> echo server child",
     "grpc": "RemoteExperts transport=grpc (loopback) -> echo server child",
+    "grpc-floor": "grpcio alone: the same request's bytes echoed by a bytes-only stream (bench/_grpc_echo.py)",
 }
 
 
@@ -252,7 +296,8 @@ def call_rows(cfg: BenchConfig) -> list[dict]:
     cases = [(t, dt, 0.0) for t in sorted(cfg.call_iters) for dt in (torch.float32, torch.bfloat16)]
     cases.insert(1, (1, torch.float32, GAP_S))
     rows = []
-    with ServerProcess(model, "bf16", threads=1, extra=("--echo",)) as server:
+    with ServerProcess.expert(model, "bf16", threads=1, extra=("--echo",)) as server, \
+            ServerProcess([sys.executable, "-m", "bench._grpc_echo"]) as floor_server:
         for tokens, dtype, gap_s in cases:
             warmup, iters = cfg.call_iters[tokens] if not gap_s else (cfg.call_iters[1][0], cfg.gap_calls)
             x, ids, weights = call_inputs(tokens, dtype, model_cfg.moe.num_experts)
@@ -261,7 +306,12 @@ def call_rows(cfg: BenchConfig) -> list[dict]:
             progress(f"calls: T={tokens}, {str(dtype)[6:]}{apart}: {iters} calls per path in {cfg.call_rounds} rounds")
             for _ in range(cfg.call_rounds):
                 for path in PATHS:
-                    backend = inprocess_echo([0]) if path == "in-process" else remote(model_cfg, server.address, path)
+                    if path == "in-process":
+                        backend = inprocess_echo([0])
+                    elif path == "grpc-floor":
+                        backend = GrpcFloor(floor_server.address, 0, x, ids, weights)
+                    else:
+                        backend = remote(model_cfg, server.address, path)
                     try:
                         times[path].append(time_calls(backend, x, ids, weights, max(20, warmup // cfg.call_rounds),
                                                       iters // cfg.call_rounds, gap_s))
@@ -352,7 +402,7 @@ def decode_part(cfg: BenchConfig, store: Path) -> dict:
     native_pack_s = time.perf_counter() - t0
     native_model, _ = load_model(model_dir, runtime, native)
     progress("decode: expert server child from the store, shm")
-    with ServerProcess(model_dir, FORMAT, cfg.threads, extra=("--store", str(store))) as server:
+    with ServerProcess.expert(model_dir, FORMAT, cfg.threads, extra=("--store", str(store))) as server:
         served = TimedExperts(remote(model_cfg, server.address, "shm"))
         served_model, _ = load_model(model_dir, runtime, served)
         runs = {"in-process": [], "server-shm": []}
@@ -423,7 +473,7 @@ def startup_part(cfg: BenchConfig) -> tuple[dict, Path]:
     for i, source in enumerate(plan):
         progress(f"startup: expert server from the {source} ({i + 1}/{len(plan)})")
         extra = ("--store", str(store)) if source == "store" else ()
-        with ServerProcess(model_dir, FORMAT, cfg.threads, extra=extra) as server:
+        with ServerProcess.expert(model_dir, FORMAT, cfg.threads, extra=extra) as server:
             t0 = time.perf_counter()
             outputs[source].append(layer_outputs(model_cfg, server.address))
             starts[source].append({"ready_s": server.ready_s, "first_calls_s": time.perf_counter() - t0})

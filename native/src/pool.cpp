@@ -120,6 +120,7 @@ void ThreadPool::helper_loop() {
             work_cv_.wait(lock, [&] { return stop_ || generation_.load() != seen; });
             if (stop_) return;
             seen = generation_.load();
+            if (!open_) continue;  // that parallel_for is over: its counters may be reset any time
             active_.fetch_add(1);
         }
         run_tasks();
@@ -138,16 +139,19 @@ void ThreadPool::parallel_for(int n, const std::function<void(int)>& fn) {
         done_ = 0;
         task_error_ = nullptr;
         failed_ = false;
+        open_ = true;
         generation_.fetch_add(1);
     }
     if (!helpers_.empty() && n > 1) work_cv_.notify_all();
     run_tasks();
     auto finished = [&] { return active_.load() == 0 && next_.load() >= n && (done_.load() == n || failed_.load()); };
-    if (!spin_until(finished)) {
-        std::unique_lock<std::mutex> lock(mu_);
-        done_cv_.wait(lock, finished);
-    }
-    std::lock_guard<std::mutex> lock(mu_);
+    spin_until(finished);
+    // Decided under the lock, where helpers join: one that joined after the spin's look at active_
+    // is waited for, and none joins after (it would take a task index from this call's counter and
+    // run it as the next call's, twice, leaving done_ past n and the next call waiting forever).
+    std::unique_lock<std::mutex> lock(mu_);
+    done_cv_.wait(lock, finished);
+    open_ = false;
     if (task_error_) std::rethrow_exception(task_error_);
 }
 

@@ -59,6 +59,7 @@ private:
     std::atomic<int> next_{0}, done_{0}, active_{0};
     std::atomic<uint64_t> generation_{0};
     bool stop_ = false;
+    bool open_ = false;  // helpers may join the current parallel_for (under mu_)
     std::exception_ptr task_error_;
     std::atomic<bool> failed_{false};  // first exception thrown by a task of the current parallel_for
     std::thread coordinator_;

@@ -73,3 +73,37 @@ def test_a_pool_can_be_dropped_and_recreated_many_times(setup):
         out = np.zeros((4, D), np.float32)
         tn.moe_forward(layer, x[:4], ids[:4], w[:4], out, tn.ThreadPool(threads))
         assert np.isfinite(out).all()
+
+
+_BACK_TO_BACK = """
+import numpy as np, sys, tandem_native as tn
+from tests.reference.moe import random_layer, random_routing
+threads, calls = int(sys.argv[1]), int(sys.argv[2])
+pool = tn.ThreadPool(threads)
+layer = tn.MoeLayer(tn.pack_experts(*random_layer(np.random.default_rng(3), 8, 64, 64), "int8", 32, pool))
+rng = np.random.default_rng(4)
+x = rng.standard_normal((3, 64), dtype=np.float32)
+ids, w = random_routing(rng, 3, 8, 2)
+first = np.zeros_like(x)
+tn.moe_forward(layer, x, ids, w, first, pool)
+out = np.zeros_like(x)
+for _ in range(calls):
+    tn.moe_forward(layer, x, ids, w, out, pool)
+    assert np.array_equal(out, first)
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("threads", [2, 4])
+def test_back_to_back_tiny_calls_neither_hang_nor_run_a_task_twice(threads):
+    """Thousands of parallel_for rounds of a few microseconds each, more threads than cores: a helper
+    waking late must not join a round that is over (it once took a task index from the finished
+    round's counter and ran it in the next round, leaving the coordinator waiting forever)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, "-c", _BACK_TO_BACK, str(threads), "20000"], cwd=root, timeout=120,
+                          capture_output=True, text=True)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]

@@ -217,3 +217,35 @@ def test_client_takes_cpu_tensors_as_they_are_and_refuses_others(session, execut
                         (([[0.0] * D], torch.from_numpy(ids), torch.from_numpy(w)), "x")]:
         with pytest.raises(ValueError, match=f"^{field}: "):
             session.client.submit(LAYER, *args)
+
+
+def test_random_descriptors_get_an_answer_and_never_crash_the_server(session, executor):
+    """Descriptors with fields drawn around and across every boundary (in bounds, past the end,
+    inside the header, misaligned, huge): each is answered OK or INVALID_ARGUMENT naming a field,
+    and a valid call still gets the right result afterwards."""
+    import random
+
+    rng = random.Random(7)  # Python ints: offsets up to 2**64 - 8 stay exact
+    s, size = session.slots, session.segment.size
+    edges = [0, 8, shm.HEADER_BYTES - 4, shm.HEADER_BYTES + 2, s.x, s.ids, s.weights, s.out, size - 4, size, size + 64,
+             2**32, 2**63, 2**64 - 8]
+    fields = ("layer", "tokens", "hidden", "top_k", "x_dtype", "x_offset", "ids_offset", "weights_offset",
+              "out_offset")
+    bad = dict(layer=[LAYER + 1, 2**32 - 1], tokens=[0, 1, CAP, CAP + 1], hidden=[D - 1, 0], top_k=[0, 1, E, E + 1],
+               x_dtype=[2, 0, 9])
+    x, ids, w = call(2, seed=9)
+    assert session.client.finish(session.client.submit(LAYER, x, ids, w), 50.0, 10.0)[0] == 0  # valid data in the slots
+    for _ in range(400):
+        d = dict(layer=LAYER, tokens=2, hidden=D, top_k=K, x_dtype=1, x_offset=s.x, ids_offset=s.ids,
+                 weights_offset=s.weights, out_offset=s.out)
+        for f in rng.sample(fields, rng.choice([0, 1, 1, 2, 3])):  # a few fields off their valid values
+            d[f] = rng.choice(edges if f.endswith("offset") else bad[f])
+        seq = session.client.publish(tn.ShmDescriptor(**d))
+        assert session.client.wait(seq, 50.0, 10.0)
+        status, message, _ = session.client.result()
+        assert status == 0 or (status == 3 and message.split(":")[0] in fields + ("ids",)), (d, status, message)
+    expected = np.empty_like(x)
+    executor.run(LAYER, x, ids, w, expected)
+    seq = session.client.submit(LAYER, x, ids, w)
+    out = np.empty_like(x)
+    assert session.client.finish(seq, 50.0, 10.0, out)[0] == 0 and np.array_equal(out, expected)

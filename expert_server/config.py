@@ -37,7 +37,7 @@ class ServerConfig:
     tls_key: Path | None = None
     echo: bool = False             # return x unchanged instead of computing (transport benchmarks)
     drain_s: float = 10.0          # how long SIGTERM waits for in-flight calls
-    spin_us: float = 50.0          # doorbell spin before sleeping
+    spin_us: float = 50.0          # how long a session's thread spins for the next call before sleeping
 
     def __post_init__(self):
         if self.format not in FORMATS:
@@ -46,5 +46,7 @@ class ServerConfig:
             raise ConfigError(f"--threads: must be >= 1, got {self.threads}")
         if self.max_tokens < 1:
             raise ConfigError(f"--max-tokens: must be >= 1, got {self.max_tokens}")
+        if not 0 <= self.spin_us <= 1e6:
+            raise ConfigError(f"--spin-us: must be within [0, 1000000], got {self.spin_us:g}")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ConfigError("--tls-cert and --tls-key go together")

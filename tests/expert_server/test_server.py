@@ -97,6 +97,7 @@ def run_cli(*args):
     (["--threads", "0"], "--threads"),
     (["--format", "fp8"], "--format"),
     (["--tls-cert", "/x.pem"], "--tls-key"),
+    (["--spin-us", "-1"], "--spin-us"),
 ])
 def test_bad_command_line_is_a_clear_error(args, message):
     if "--model" not in args:

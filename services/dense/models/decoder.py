@@ -73,7 +73,7 @@ class MoeDecoder:
     def forward_batch(self, chunks: list["Chunk"], logit_rows: list[int]) -> torch.Tensor:
         """Chunks of several sequences in one step -> logits [R, V] float32 of the batch rows asked."""
         tokens = torch.cat([c.tokens for c in chunks]).to(self.device)
-        positions, segments = [], []
+        positions = []
         for c in chunks:
             c.cache.begin(len(c.tokens))
             positions.append(torch.arange(c.cache.start, c.cache.start + len(c.tokens), device=self.device))

@@ -7,12 +7,21 @@ import os
 import platform
 import resource
 import statistics
+import sys
 import time
 
 import torch
 
 READ_FLOATS = 400 * 2**20  # 1.68 GB of float32, far beyond any cache
 PEAK_N = 2048
+START = time.perf_counter()
+
+
+def progress(what: str) -> None:
+    """A progress line on stderr, stamped with the seconds since the bench started."""
+    print(f"[{time.perf_counter() - START:5.0f} s] {what}", file=sys.stderr, flush=True)
+
+
 ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_tile")
 
 

@@ -18,7 +18,6 @@ import argparse
 import json
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -29,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from bench import _machine, _moe_cases as mc
+from bench._machine import progress
 
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
@@ -38,13 +38,6 @@ KT_TIMEOUT_S = 900
 OUR_FORMATS = ("bf16", "int8", "int4")
 GROUP_SIZE = 32
 IMPLS = ("torch", "tandem", "kt")
-
-
-START = time.perf_counter()
-
-
-def progress(what: str) -> None:
-    print(f"[{time.perf_counter() - START:4.0f} s] {what}", file=sys.stderr, flush=True)
 
 
 @dataclass(frozen=True)

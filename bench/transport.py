@@ -42,6 +42,7 @@ import torch
 
 from bench import _machine
 from bench import checkpoint as bench_ckpt
+from bench._machine import progress
 
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
@@ -60,13 +61,6 @@ TARGETS = {
     "decode_ratio": ("decode tokens/s, server / in-process", 0.9, "min"),
     "startup_ratio": ("ready time, checkpoint / store", 5.0, "min"),
 }
-
-START = time.perf_counter()
-
-
-def progress(what: str) -> None:
-    print(f"[{time.perf_counter() - START:5.0f} s] {what}", file=sys.stderr, flush=True)
-
 
 @dataclass(frozen=True)
 class BenchConfig:

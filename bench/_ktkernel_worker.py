@@ -23,7 +23,7 @@ from typing import Callable
 import kt_kernel
 import torch
 
-from bench import _moe_cases as mc
+from bench import _machine, _moe_cases as mc
 
 K = kt_kernel.kt_kernel_ext
 GGML = K.kvcache.ggml_type
@@ -154,7 +154,7 @@ def trial(wl: mc.Workload, fmt: str, kw: KtWeights, threads: int, timing: mc.Tim
     moe, keep = load_moe(wl.shape, kw, cpu)
     name = "llamafile MOE" if kw.cls is K.moe.MOE else kw.cls.__name__
     fields = dict(impl="kt-kernel", format=fmt, threads=threads, note=name, kt_variant=kt_kernel.__cpu_variant__)
-    rows = mc.measure(wl, kt_impl(cpu, moe, kw), timing, **fields)
+    rows = mc.measure(wl, kt_impl(cpu, moe, kw), timing, _machine.read_probe, **fields)
     del moe, keep  # before the pool it runs on
     del cpu
     return rows

@@ -3,6 +3,7 @@ bandwidth, fp32 matmul peak, and how much of the CPUs other processes took meanw
 
 from __future__ import annotations
 
+import functools
 import os
 import platform
 import resource
@@ -35,10 +36,22 @@ def median_seconds(fn, reps: int) -> float:
     return statistics.median(times)
 
 
+@functools.cache
+def read_buffer() -> torch.Tensor:
+    """The 1.68 GB the read bandwidth is measured on, made once per process; written here, so every
+    page is mapped before any timing."""
+    return torch.ones(READ_FLOATS)
+
+
 def read_bandwidth(reps: int) -> float:
     """GB/s of a streaming read: torch.sum over 1.68 GB of float32 on all threads."""
-    a = torch.ones(READ_FLOATS)  # written once here, so every page is mapped before timing
+    a = read_buffer()
     return a.nbytes / median_seconds(a.sum, reps) / 1e9
+
+
+def read_probe() -> float:
+    """A short read-bandwidth sample (two timed sums), taken next to a measurement."""
+    return read_bandwidth(2)
 
 
 def matmul_peak(reps: int) -> float:

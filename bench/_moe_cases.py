@@ -185,16 +185,22 @@ class Impl:
     bytes_per_expert: float  # weight bytes one expert's gate, up and down take in this format
 
 
-def measure(wl: Workload, runner: Impl, timing: Timing, **fields) -> list[dict]:
+def measure(wl: Workload, runner: Impl, timing: Timing, probe: Callable[[], float] | None = None,
+            **fields) -> list[dict]:
     """The decode row (T=1, fresh experts every call) and, where the shape has one and the experts
-    are in one layer, the prefill row; each with its error against the float32 reference."""
+    are in one layer, the prefill row; each with its error against the float32 reference. probe()
+    samples the read bandwidth (GB/s): taken just before and just after the decode calls, their
+    mean is the row's read_gbps_near, the yardstick of the same minutes on a VM whose bandwidth
+    drifts."""
     K = wl.shape.top_k
     plan = decode_ids(runner.per_chunk, runner.chunks, K, timing.warmup + timing.decode_calls)
     calls = [(chunk, runner.prepare(wl.x, ids, wl.weights)) for chunk, ids in plan]
     err = rel_err(torch.as_tensor(runner.forward(*calls[0])), wl.reference(plan[0][1]))
+    before = probe() if probe else None
     times = time_calls(lambda i: runner.forward(*calls[i]), timing.decode_calls, timing.warmup, timing.budget_s)
+    near = (before + probe()) / 2 if probe else None
     fields = dict(fields, experts=runner.per_chunk * runner.chunks)
-    rows = [decode_row(wl.shape, times, runner.bytes_per_expert * K, err, **fields)]
+    rows = [decode_row(wl.shape, times, runner.bytes_per_expert * K, err, read_gbps_near=near, **fields)]
     if wl.prefill_x is None or runner.chunks != 1:
         return rows
     args = runner.prepare(wl.prefill_x, wl.prefill_ids, wl.prefill_weights)

@@ -95,7 +95,7 @@ def torch_impl(fn, w13: torch.Tensor, w2: torch.Tensor) -> mc.Impl:
 
 def measure(wl: mc.Workload, runner: mc.Impl, cfg: BenchConfig, **fields) -> list[dict]:
     progress(f"{wl.shape.name}: {fields['impl']} {fields['format']}")
-    return mc.measure(wl, runner, cfg.timing, threads=cfg.threads, **fields)
+    return mc.measure(wl, runner, cfg.timing, _machine.read_probe, threads=cfg.threads, **fields)
 
 
 def torch_rows(wl: mc.Workload, cfg: BenchConfig) -> list[dict]:
@@ -224,11 +224,13 @@ def kt_trials(cfg: BenchConfig) -> list[dict]:
 
 
 def with_rates(row: dict, limits: dict) -> dict:
-    """Adds GB/s of weights and its fraction of the read bandwidth (decode), or GFLOP/s and its
-    fraction of the matmul peak (prefill)."""
+    """Adds GB/s of weights and its fraction of the read bandwidth (decode: of the bandwidth measured
+    next to the row, and of the run's best), or GFLOP/s and its fraction of the matmul peak
+    (prefill)."""
     if "bytes_per_call" in row:
         gbps = row["bytes_per_call"] / row["ms"] / 1e6
-        return dict(row, gbps=gbps, frac_read_bw=gbps / limits["read_gbps"])
+        near = row.get("read_gbps_near") or limits["read_gbps"]
+        return dict(row, gbps=gbps, frac_read_bw=gbps / near, frac_read_bw_max=gbps / limits["read_gbps"])
     if "flops_per_call" in row:
         gflops = row["flops_per_call"] / row["ms"] / 1e6
         return dict(row, gflops=gflops, frac_peak=gflops / limits["peak_gflops"])
@@ -243,13 +245,16 @@ def display_order(rows: list[dict]) -> list[dict]:
 COLUMNS = (  # header, row key, number format (None: text, aligned left)
     ("shape", "shape", None), ("phase", "phase", None), ("impl", "impl", None), ("format", "format", None),
     ("E", "experts", "{}"), ("thr", "threads", "{}"), ("ms/call", "ms", "{:.2f}"), ("GB/s", "gbps", "{:.1f}"),
-    ("frac BW", "frac_read_bw", "{:.2f}"), ("GFLOP/s", "gflops", "{:.1f}"), ("frac pk", "frac_peak", "{:.2f}"),
+    ("BW near", "read_gbps_near", "{:.1f}"), ("frac BW", "frac_read_bw", "{:.2f}"),
+    ("frac max", "frac_read_bw_max", "{:.2f}"), ("GFLOP/s", "gflops", "{:.1f}"), ("frac pk", "frac_peak", "{:.2f}"),
     ("rel err", "err", "{:.4f}"), ("note", "note", None),
 )  # fmt: skip
 
 
 LEGEND = """\
 decode: 1 token, top-8, fresh experts every call; GB/s = the active experts' weight bytes / time.
+BW near: read bandwidth sampled just before and after the row (GB/s); frac BW = GB/s / BW near;
+frac max = GB/s / the best read bandwidth of the run (a lower bound: the VM's bandwidth drifts).
 prefill: 512 tokens, top-8; GFLOP/s = 2*T*K*3*D*I / time (integer kernels can pass the fp32 peak).
 E: experts in the layer; rel err: L2 error against float32 on the same weights (kt-kernel takes
 bf16 activations); thr for kt-kernel: the fastest of the thread counts tried."""

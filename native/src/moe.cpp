@@ -282,7 +282,8 @@ struct Prepared {
 // Builds `rows` rows of `cols` activations: produce(r, tmp) writes fp32 row r into tmp, which is
 // then quantized or arranged. A few rows (decode) run inline: waking the pool would cost more.
 template <typename Produce>
-Prepared prepare(ThreadPool& pool, const KernelTable& k, bool quantized, int rows, int cols, Produce produce) {
+Prepared prepare(ThreadPool& pool, const KernelTable& k, Format f, int rows, int cols, Produce produce) {
+    const bool quantized = f != Format::BF16;
     Prepared out;
     if (quantized) {
         out.q.resize(size_t(rows) * cols);
@@ -296,8 +297,9 @@ Prepared prepare(ThreadPool& pool, const KernelTable& k, bool quantized, int row
         tmp.resize(cols);
         for (int r = task * chunk; r < std::min(rows, (task + 1) * chunk); ++r) {
             produce(r, tmp.data());
-            if (quantized) k.quantize(tmp.data(), cols, out.q.data() + size_t(r) * cols, out.s.data() + size_t(r) * (cols / kBlock));
-            else k.arrange(tmp.data(), cols, out.f.data() + size_t(r) * cols);
+            if (!quantized) k.arrange(tmp.data(), cols, out.f.data() + size_t(r) * cols);
+            else k.quantize(tmp.data(), cols, activation_levels(f), out.q.data() + size_t(r) * cols,
+                            out.s.data() + size_t(r) * (cols / kBlock));
         }
     };
     const int tasks = (rows + chunk - 1) / chunk;
@@ -352,12 +354,11 @@ void down_by_columns(ThreadPool& pool, const KernelTable& k, const MoeCall& c, c
 void moe_forward(ThreadPool& pool, const KernelTable& k, const MoeCall& c) {
     const MoeLayerView& L = *c.layer;
     const int D = L.hidden, I = L.intermediate, F = int(L.format);
-    const bool quantized = L.format != Format::BF16;
     std::fill(c.out, c.out + size_t(c.tokens) * D, 0.f);
     if (c.tokens == 0) return;
     const Plan p = plan(c, L.experts);
     const int A = int(p.experts.size()), rows = p.start[A];
-    const Prepared x = prepare(pool, k, quantized, c.tokens, D, [&](int r, float* row) {
+    const Prepared x = prepare(pool, k, L.format, c.tokens, D, [&](int r, float* row) {
         std::copy(c.x + size_t(r) * D, c.x + size_t(r + 1) * D, row);
     });
 
@@ -372,7 +373,7 @@ void moe_forward(ThreadPool& pool, const KernelTable& k, const MoeCall& c) {
     });
 
     // Phase 2: h = silu(gate) * up, [rows, I], ready for the down projections.
-    const Prepared h = prepare(pool, k, quantized, rows, I, [&](int r, float* row) {
+    const Prepared h = prepare(pool, k, L.format, rows, I, [&](int r, float* row) {
         k.silu_mul(hu.data() + size_t(r) * 2 * I, I, row);
     });
 

@@ -24,8 +24,13 @@ struct Activations {
 
 // y[i * ldy + (r - r0)] = dot(row r of w, token i of x) for r in [r0, r1), i in [0, n).
 using MatmulFn = void (*)(const Matrix& w, int r0, int r1, const Activations& x, int n, float* y, int ldy);
-// One row of C fp32 values -> int8 blocks of 32 with fp32 scales (C a multiple of 32).
-using QuantizeFn = void (*)(const float* x, int cols, int8_t* q, float* s);
+// One row of C fp32 values -> int8 blocks of 32 in [-levels, levels] with fp32 scales (C a multiple
+// of 32); levels comes from activation_levels.
+using QuantizeFn = void (*)(const float* x, int cols, int levels, int8_t* q, float* s);
+
+// The range activations are quantized to against a format's weights: int8 uses all of int8; int4
+// uses 7 bits, so that its unsigned (offset) weights times them fit the int16 sums of maddubs.
+constexpr int activation_levels(Format f) { return f == Format::INT4 ? 63 : 127; }
 // One row of C fp32 values -> the layout this variant's bf16 matmul reads, C floats' worth of bytes
 // (may reorder the columns, or split each value into two bf16 parts).
 using ArrangeFn = void (*)(const float* x, int cols, float* out);

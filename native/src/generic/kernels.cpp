@@ -7,12 +7,12 @@
 namespace tandem {
 namespace {
 
-void quantize(const float* x, int cols, int8_t* q, float* s) {
+void quantize(const float* x, int cols, int levels, int8_t* q, float* s) {
     for (int b = 0; b < cols / kBlock; ++b) {
         const float* xb = x + b * kBlock;
         float amax = 0.f;
         for (int j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(xb[j]));
-        float scale = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+        float scale = amax / float(levels), inv = amax > 0.f ? float(levels) / amax : 0.f;
         s[b] = scale;
         for (int j = 0; j < kBlock; ++j) q[b * kBlock + j] = int8_t(std::nearbyint(xb[j] * inv));
     }

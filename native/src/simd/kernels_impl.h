@@ -5,9 +5,10 @@
 //   + AVX512_VNNI         vpdpbusd for the int8 dot products;
 //   + AVX512_BF16         vdpbf16ps for bf16 weights, against activations split into two bf16 parts.
 // Everything lives in an anonymous namespace: each variant's object has its own copy.
-// Integer formats use the sign trick: |x| (unsigned) times sign(w, x) (signed) through maddubs
-// (which cannot saturate because |x|, |w| <= 127) or vpdpbusd (which does not saturate): both give
-// exact int32 sums of 4 products, so the results agree bit for bit.
+// int8 uses the sign trick: |x| (unsigned) times sign(w, x) (signed) through maddubs (which cannot
+// saturate because |x|, |w| <= 127) or vpdpbusd (which does not saturate). int4 looks its levels up
+// offset by 128 (unsigned) against 7-bit x and subtracts 128 sum(x) (int4_dot). Every path gives
+// exact int32 sums of the products, so the variants agree bit for bit before the float scaling.
 #pragma once
 #include <immintrin.h>
 
@@ -57,7 +58,7 @@ inline __m256i dot_u8s8(__m256i acc, __m256i a, __m256i b) {
 #endif
 }
 
-void quantize(const float* x, int cols, int8_t* q, float* s) {
+void quantize(const float* x, int cols, int levels, int8_t* q, float* s) {
     const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     for (int b = 0; b < cols / kBlock; ++b) {
@@ -68,8 +69,8 @@ void quantize(const float* x, int cols, int8_t* q, float* s) {
             m = _mm256_max_ps(m, _mm256_and_ps(v[k], abs_mask));
         }
         float amax = hmax(m);
-        s[b] = amax / 127.f;
-        __m256 inv = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+        s[b] = amax / float(levels);
+        __m256 inv = _mm256_set1_ps(amax > 0.f ? float(levels) / amax : 0.f);
         __m256i i[4];
         for (int k = 0; k < 4; ++k)
             i[k] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[k], inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
@@ -165,20 +166,26 @@ struct Int8Block {
     static __m256i load(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 };
 
-// One 32-byte int4 block (64 columns) -> two registers of 32 int8 weights: `lo` holds columns
-// 0-15 and 32-47, `hi` columns 16-31 and 48-63 (each 128-bit lane is one 32-column half).
-inline void load_int4(const uint8_t* p, __m256i& lo, __m256i& hi) {
+// One 32-byte int4 block (64 columns) -> two registers of 32 levels from `table` (16 bytes in each
+// 128-bit lane): `lo` holds columns 0-15 and 32-47, `hi` columns 16-31 and 48-63 (each 128-bit lane
+// is one 32-column half).
+inline void load_int4(const uint8_t* p, __m256i table, __m256i& lo, __m256i& hi) {
     const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
     const __m256i mask = _mm256_set1_epi8(0x0f);
-    const __m256i levels = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kInt4Levels)));
-    lo = _mm256_shuffle_epi8(levels, _mm256_and_si256(raw, mask));
-    hi = _mm256_shuffle_epi8(levels, _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask));
+    lo = _mm256_shuffle_epi8(table, _mm256_and_si256(raw, mask));
+    hi = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask));
+}
+
+// kInt4Levels as signed bytes, in both lanes; xor 0x80 gives them offset by 128 (unsigned).
+inline __m256i int4_levels() {
+    return _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kInt4Levels)));
 }
 
 constexpr int kSpan = 64;  // blocks whose combined scales are prepared at once (2048 columns)
+constexpr int kScaleStride = kSpan + 8;  // padded: the int4 tile reads 8 scales from any block
 
 // scale[k][j] = x scale of block b0 + j times the weight scale of its group in row r + k.
-void combined_scales(const Matrix& w, int r, int b0, int nb, const float* xs, float (*scale)[kSpan]) {
+void combined_scales(const Matrix& w, int r, int b0, int nb, const float* xs, float (*scale)[kScaleStride]) {
     const int per_group = w.group / kBlock, groups = w.cols / w.group;
     for (int k = 0; k < kTileRows; ++k) {
         const uint16_t* ws = w.scales + int64_t(r + k) * groups;
@@ -188,7 +195,10 @@ void combined_scales(const Matrix& w, int r, int b0, int nb, const float* xs, fl
                 const __m256 wv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ws + b0 + j)));
                 _mm256_storeu_ps(scale[k] + j, _mm256_mul_ps(wv, _mm256_loadu_ps(xs + b0 + j)));
             }
-        for (; j < nb; ++j) scale[k][j] = xs[b0 + j] * _cvtsh_ss(ws[(b0 + j) / per_group]);
+        for (int g = (b0 + j) / per_group; j < nb; ++g) {  // a group at a time: no division per block
+            const float wg = _cvtsh_ss(ws[g]);
+            for (const int end = std::min(nb, (g + 1) * per_group - b0); j < end; ++j) scale[k][j] = xs[b0 + j] * wg;
+        }
     }
 }
 
@@ -201,7 +211,7 @@ void int_tile(const Matrix& w, int r, const int8_t* const* xq, const float* cons
     __m256 acc[N][kTileRows];
     for (int i = 0; i < N; ++i)
         for (int k = 0; k < kTileRows; ++k) acc[i][k] = _mm256_setzero_ps();
-    alignas(32) float scale[N][kTileRows][kSpan];
+    alignas(32) float scale[N][kTileRows][kScaleStride];
     for (int b0 = 0; b0 < blocks; b0 += kSpan) {
         const int nb = std::min(kSpan, blocks - b0);
         for (int i = 0; i < N; ++i) combined_scales(w, r, b0, nb, xs[i], scale[i]);
@@ -260,42 +270,69 @@ void matmul_int(const Matrix& w, int r0, int r1, const Activations& x, int n, fl
     for (int r = r0; r < r1; r += kTileRows) int_rows<Block>(w, r, x, n, y + (r - r0), ldy);
 }
 
-// One 4-row tile of int4 weights against N quantized tokens (N <= kTokensPerLoad). Each 32-byte
-// load gives two 32-column halves, unpacked once for all N tokens; x is rearranged to match, so
-// both halves reduce into one register whose low lanes belong to the first half-block and high
-// lanes to the second. A token's arithmetic does not depend on N or on its batch-mates, so a token
+// 128 * (sum of the 4 activations behind each int32 lane of an int4 dot): the correction that
+// turns sums against the offset levels (w + 128) back into sums against w. AVX2 keeps it as int16
+// pair sums, VNNI as its int32 negation (the dot's starting value).
+inline __m256i int4_correction(__m256i xlo, __m256i xhi) {
+    const __m256i ones = _mm256_set1_epi8(1);
+#if defined(TANDEM_SIMD_VNNI)
+    const __m256i sum = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), ones, xlo), ones, xhi);
+    return _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(sum, 7));
+#else
+    return _mm256_slli_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(ones, xlo), _mm256_maddubs_epi16(ones, xhi)), 7);
+#endif
+}
+
+// In each int32 lane, the exact sum of the 8 products of levels w and activations x behind it,
+// from the offset levels u = w + 128 (unsigned, so maddubs/vpdpbusd take them as they are) and
+// x in [-63, 63]: sum(u x) - 128 sum(x). AVX2: an int16 lane u0 x0 + u1 x1 <= 2 * 241 * 63 cannot
+// saturate; the int16 sums of the two halves and the correction may wrap on the way, but their
+// result, 4 products of |w| <= 127 and |x| <= 63, fits int16, so the wrapped arithmetic is exact.
+inline __m256i int4_dot(__m256i lo, __m256i hi, __m256i xlo, __m256i xhi, __m256i correction) {
+#if defined(TANDEM_SIMD_VNNI)
+    return _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(correction, lo, xlo), hi, xhi);
+#else
+    const __m256i sum = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xlo), _mm256_maddubs_epi16(hi, xhi));
+    return _mm256_madd_epi16(_mm256_sub_epi16(sum, correction), _mm256_set1_epi16(1));
+#endif
+}
+
+// One 4-row tile of int4 weights against N quantized tokens (N <= kTokensPerLoad), their
+// activations 7-bit (activation_levels). Each 32-byte load gives two 32-column halves, unpacked
+// once for all N tokens; x is rearranged to match, so both halves reduce into one register whose
+// low lanes belong to the first half-block and high lanes to the second (scaled by one vpermps of
+// the combined scales). A token's arithmetic does not depend on N or on its batch-mates, so a token
 // gets the same result decoded alone or in a prefill batch (batch invariance).
 template <int N>
 void int4_tile(const Matrix& w, int r, const int8_t* const* xq, const float* const* xs, float* y, int ldy) {
     const int blocks = w.cols / kBlock;
     const uint8_t* tile = block_at(w, r, 0);
+    const __m256i table = _mm256_xor_si256(int4_levels(), _mm256_set1_epi8(char(0x80)));
+    const __m256i pair = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);  // scales of blocks j, j + 1
     __m256 acc[N][kTileRows];
     for (int i = 0; i < N; ++i)
         for (int k = 0; k < kTileRows; ++k) acc[i][k] = _mm256_setzero_ps();
-    alignas(32) float scale[N][kTileRows][kSpan];
+    alignas(32) float scale[N][kTileRows][kScaleStride];
     for (int b0 = 0; b0 < blocks; b0 += kSpan) {
         const int nb = std::min(kSpan, blocks - b0);
         for (int i = 0; i < N; ++i) combined_scales(w, r, b0, nb, xs[i], scale[i]);
         for (int j = 0; j < nb; j += 2, tile += kTileRows * kBlockBytes) {
             _mm_prefetch(reinterpret_cast<const char*>(tile) + kPrefetch, _MM_HINT_T0);
             _mm_prefetch(reinterpret_cast<const char*>(tile) + kPrefetch + 64, _MM_HINT_T0);
-            __m256i xlo[N], xhi[N], alo[N], ahi[N];
+            __m256i xlo[N], xhi[N], correction[N];
             for (int i = 0; i < N; ++i) {
                 const __m256i xa = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[i] + (b0 + j) * kBlock));
                 const __m256i xb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[i] + (b0 + j + 1) * kBlock));
                 xlo[i] = _mm256_permute2x128_si256(xa, xb, 0x20);
                 xhi[i] = _mm256_permute2x128_si256(xa, xb, 0x31);
-                alo[i] = _mm256_sign_epi8(xlo[i], xlo[i]);
-                ahi[i] = _mm256_sign_epi8(xhi[i], xhi[i]);
+                correction[i] = int4_correction(xlo[i], xhi[i]);
             }
             for (int k = 0; k < kTileRows; ++k) {
                 __m256i lo, hi;
-                load_int4(tile + k * kBlockBytes, lo, hi);
+                load_int4(tile + k * kBlockBytes, table, lo, hi);
                 for (int i = 0; i < N; ++i) {
-                    const __m256i dot = dot_u8s8(dot_u8s8(_mm256_setzero_si256(), alo[i], _mm256_sign_epi8(lo, xlo[i])),
-                                                 ahi[i], _mm256_sign_epi8(hi, xhi[i]));
-                    const __m256 sc = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_broadcast_ss(&scale[i][k][j])),
-                                                           _mm_broadcast_ss(&scale[i][k][j + 1]), 1);
+                    const __m256 sc = _mm256_permutevar8x32_ps(_mm256_loadu_ps(&scale[i][k][j]), pair);
+                    const __m256i dot = int4_dot(lo, hi, xlo[i], xhi[i], correction[i]);
                     acc[i][k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), sc, acc[i][k]);
                 }
             }
@@ -329,7 +366,7 @@ void matmul_int4(const Matrix& w, int r0, int r1, const Activations& x, int n, f
     for (int b = 0; b < cols / (2 * kBlock); ++b)
         for (int k = 0; k < kTileRows; ++k, src += kBlockBytes) {
             __m256i lo, hi;
-            load_int4(src, lo, hi);
+            load_int4(src, int4_levels(), lo, hi);
             auto* out = reinterpret_cast<__m256i*>(dst);
             _mm256_storeu_si256(out + (2 * b) * kTileRows + k, _mm256_permute2x128_si256(lo, hi, 0x20));
             _mm256_storeu_si256(out + (2 * b + 1) * kTileRows + k, _mm256_permute2x128_si256(lo, hi, 0x31));

@@ -230,7 +230,8 @@ def with_rates(row: dict, limits: dict) -> dict:
     if "bytes_per_call" in row:
         gbps = row["bytes_per_call"] / row["ms"] / 1e6
         near = row.get("read_gbps_near") or limits["read_gbps"]
-        return dict(row, gbps=gbps, frac_read_bw=gbps / near, frac_read_bw_max=gbps / limits["read_gbps"])
+        return dict(row, gbps=gbps, frac_read_bw=gbps / near, frac_read_bw_run=gbps / limits["read_gbps"],
+                    frac_read_bw_max=gbps / limits["read_gbps_max"])
     if "flops_per_call" in row:
         gflops = row["flops_per_call"] / row["ms"] / 1e6
         return dict(row, gflops=gflops, frac_peak=gflops / limits["peak_gflops"])
@@ -246,7 +247,7 @@ COLUMNS = (  # header, row key, number format (None: text, aligned left)
     ("shape", "shape", None), ("phase", "phase", None), ("impl", "impl", None), ("format", "format", None),
     ("E", "experts", "{}"), ("thr", "threads", "{}"), ("ms/call", "ms", "{:.2f}"), ("GB/s", "gbps", "{:.1f}"),
     ("BW near", "read_gbps_near", "{:.1f}"), ("frac BW", "frac_read_bw", "{:.2f}"),
-    ("frac max", "frac_read_bw_max", "{:.2f}"), ("GFLOP/s", "gflops", "{:.1f}"), ("frac pk", "frac_peak", "{:.2f}"),
+    ("frac run", "frac_read_bw_run", "{:.2f}"), ("frac max", "frac_read_bw_max", "{:.2f}"), ("GFLOP/s", "gflops", "{:.1f}"), ("frac pk", "frac_peak", "{:.2f}"),
     ("rel err", "err", "{:.4f}"), ("note", "note", None),
 )  # fmt: skip
 
@@ -254,7 +255,7 @@ COLUMNS = (  # header, row key, number format (None: text, aligned left)
 LEGEND = """\
 decode: 1 token, top-8, fresh experts every call; GB/s = the active experts' weight bytes / time.
 BW near: read bandwidth sampled just before and after the row (GB/s); frac BW = GB/s / BW near;
-frac max = GB/s / the best read bandwidth of the run (a lower bound: the VM's bandwidth drifts).
+frac run = GB/s / the median of the run's read samples; frac max = GB/s / the best of them.
 prefill: 512 tokens, top-8; GFLOP/s = 2*T*K*3*D*I / time (integer kernels can pass the fp32 peak).
 E: experts in the layer; rel err: L2 error against float32 on the same weights (kt-kernel takes
 bf16 activations); thr for kt-kernel: the fastest of the thread counts tried."""
@@ -268,9 +269,9 @@ def cell(row: dict, key: str, fmt: str | None) -> str:
 def print_table(rows: list[dict], limits: dict, info: dict) -> None:
     s, e = limits["start"], limits["end"]
     print(f"{info['cpu']} ({' '.join(info['isa'])}), {info['threads']} threads, torch {info['torch']}")
-    print(f"read bandwidth {s['read_gbps']:.1f} / {e['read_gbps']:.1f} GB/s (start / end; fractions use "
-          f"{limits['read_gbps']:.1f}), fp32 matmul peak {s['peak_gflops']:.0f} / {e['peak_gflops']:.0f} GFLOP/s "
-          f"(use {limits['peak_gflops']:.0f})")  # fmt: skip
+    print(f"read bandwidth {s['read_gbps']:.1f} / {e['read_gbps']:.1f} GB/s (start / end); median of the run's "
+          f"{limits['read_samples']} samples {limits['read_gbps']:.1f}, best {limits['read_gbps_max']:.1f}; "
+          f"fp32 matmul peak {s['peak_gflops']:.0f} / {e['peak_gflops']:.0f} GFLOP/s (use {limits['peak_gflops']:.0f})")  # fmt: skip
     warn = "  WARNING: rows are slowed, run again on a quiet machine" if info["foreign_load"] > 0.05 else ""
     print(f"other processes used {info['foreign_load']:.0%} of the CPUs during the run{warn}")
     lines = [[h for h, _, _ in COLUMNS]] + [[cell(r, key, fmt) for _, key, fmt in COLUMNS] for r in rows]
@@ -298,7 +299,9 @@ def main(argv=None) -> None:
     rows = [r for s in mc.SHAPES.values() for r in local_rows(s, cfg)]
     trials = kt_trials(cfg) if "kt" in cfg.impls else []
     progress("machine limits, again")
-    limits = _machine.combined_limits(start, _machine.machine_limits(cfg.limit_reps))
+    end = _machine.machine_limits(cfg.limit_reps)
+    near = [r["read_gbps_near"] for r in rows + trials if r.get("read_gbps_near")]
+    limits = _machine.combined_limits(start, end, near)
     info["foreign_load"] = load.share()
     rows = display_order([with_rates(r, limits) for r in rows + fastest(trials)])
     print_table(rows, limits, info)

@@ -5,7 +5,9 @@ and prefill (512 tokens) judged by GFLOP/s against its fp32 matmul peak, all mea
 
 Rows: PyTorch (a naive per-expert float32 loop and a grouped implementation), kt-kernel 0.7.2 (in
 its own venv, bench/.venv-kt, made by bench/setup_ktkernel.sh; run in a subprocess) and ours
-(tandem_native). Prints one table and writes JSON.
+(tandem_native). Prints one table and writes JSON. The issue's speed-up targets (decode int4 against
+the naive loop, prefill int8 against grouped float32) are also measured head to head, in rounds that
+take turns, since this VM's speed drifts between rows.
 
     python -m bench.kernels [--quick] [--threads 2] [--out bench/results/kernels.json] [--setup-kt]
 
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import signal
+import statistics
 import subprocess
 import tempfile
 import time
@@ -149,12 +152,62 @@ def tandem_rows(wl: mc.Workload, cfg: BenchConfig) -> list[dict]:
     return [r for fmt in OUR_FORMATS for r in tandem_format_rows(tn, wl, fmt, pool, cfg)]
 
 
-def local_rows(shape: mc.MoeShape, cfg: BenchConfig) -> list[dict]:
-    """Every in-process implementation on one shape; the workload is freed on return."""
+def local_rows(shape: mc.MoeShape, cfg: BenchConfig) -> tuple[list[dict], list[dict]]:
+    """Every in-process implementation on one shape, and its head-to-head comparisons; the workload
+    is freed on return."""
     progress(f"{shape.name}: random weights and inputs")
     wl = mc.make_workload(shape)
     rows = torch_rows(wl, cfg) if "torch" in cfg.impls else []
-    return rows + (tandem_rows(wl, cfg) if "tandem" in cfg.impls else [])
+    rows += tandem_rows(wl, cfg) if "tandem" in cfg.impls else []
+    both = {"torch", "tandem"} <= set(cfg.impls) and wl.prefill_x is not None
+    return rows, [duel(wl, *d, cfg) for d in DUELS] if both else []
+
+
+# ------------------------------------------------------------------ head to head
+
+# The issue's speed-up targets: (phase, our format, baseline name and function, target ratio).
+DUELS = (
+    ("decode", "int4", "torch-naive", naive_moe, 10.0),
+    ("prefill", "int8", "torch-grouped", mc.grouped_moe, 2.0),
+)
+
+
+def runner(wl: mc.Workload, impl: mc.Impl, phase: str, calls: int):
+    """fn(i) making call i of a phase: decode rotates through fresh experts, prefill repeats."""
+    if phase == "prefill":
+        args = impl.prepare(wl.prefill_x, wl.prefill_ids, wl.prefill_weights)
+        return lambda i: impl.forward(0, args)
+    plan = mc.decode_ids(impl.per_chunk, impl.chunks, wl.shape.top_k, calls)
+    prepared = [(chunk, impl.prepare(wl.x, ids, wl.weights)) for chunk, ids in plan]
+    return lambda i: impl.forward(*prepared[i % calls])
+
+
+def duel(wl: mc.Workload, phase: str, fmt: str, base_name: str, base_fn, target: float, cfg: BenchConfig) -> dict:
+    """Ours against a baseline in rounds that take turns, so both see the same minutes of a machine
+    whose speed drifts; the ratio of their median calls."""
+    import tandem_native as tn
+
+    progress(f"{wl.shape.name}: {phase} tandem {fmt} against {base_name}, alternating")
+    ours, _ = tandem_impl(tn, wl, fmt, tn.ThreadPool(cfg.threads))
+    rounds, (n_ours, n_base) = (3, (1, 1)) if phase == "prefill" else (6, (16, 4))
+    fns = {"ours": runner(wl, ours, phase, n_ours), "base": runner(wl, torch_impl(base_fn, wl.w13, wl.w2), phase, n_base)}
+    times: dict[str, list[float]] = {"ours": [], "base": []}
+    for _ in range(2 if cfg.quick else rounds):
+        for name, calls in (("ours", n_ours), ("base", n_base)):
+            times[name] += mc.time_calls(fns[name], calls, 1, float("inf"))
+    ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+    return dict(shape=wl.shape.name, phase=phase, ours=f"tandem {fmt}", baseline=f"{base_name} fp32",
+                ours_ms=ms["ours"], baseline_ms=ms["base"], ratio=ms["base"] / ms["ours"], target=target,
+                calls=[len(times["ours"]), len(times["base"])])  # fmt: skip
+
+
+def print_duels(duels: list[dict]) -> None:
+    if duels:
+        print("head to head, in alternating rounds (median call, ours vs baseline):")
+    for d in duels:
+        verdict = "met" if d["ratio"] >= d["target"] else "MISSED"
+        print(f"  {d['shape']} {d['phase']}: {d['ours']} {d['ours_ms']:.2f} ms vs {d['baseline']} "
+              f"{d['baseline_ms']:.2f} ms = {d['ratio']:.1f}x (target >= {d['target']:g}x: {verdict})")  # fmt: skip
 
 
 # ------------------------------------------------------------------ kt-kernel, in its own venv
@@ -296,7 +349,10 @@ def main(argv=None) -> None:
     load = _machine.ForeignLoad()
     progress("machine limits")
     info, start = _machine.machine_info(cfg.threads), _machine.machine_limits(cfg.limit_reps)
-    rows = [r for s in mc.SHAPES.values() for r in local_rows(s, cfg)]
+    rows, duels = [], []
+    for shape in mc.SHAPES.values():
+        shape_rows, shape_duels = local_rows(shape, cfg)
+        rows, duels = rows + shape_rows, duels + shape_duels
     trials = kt_trials(cfg) if "kt" in cfg.impls else []
     progress("machine limits, again")
     end = _machine.machine_limits(cfg.limit_reps)
@@ -305,9 +361,11 @@ def main(argv=None) -> None:
     info["foreign_load"] = load.share()
     rows = display_order([with_rates(r, limits) for r in rows + fastest(trials)])
     print_table(rows, limits, info)
+    print_duels(duels)
     kt = {"threads_tried": kt_thread_counts(cfg.threads), "fastest_threads": fastest_threads(rows),
           "trials": [with_rates(r, limits) for r in trials]}  # fmt: skip
-    write_json(cfg.out, {"machine": info, "quick": cfg.quick, "limits": limits, "rows": rows, "kt_kernel": kt})
+    report = {"machine": info, "quick": cfg.quick, "limits": limits, "rows": rows, "head_to_head": duels}
+    write_json(cfg.out, dict(report, kt_kernel=kt))
 
 
 if __name__ == "__main__":

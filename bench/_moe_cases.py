@@ -7,6 +7,7 @@ distinct random experts, D hidden size, I expert intermediate size.
 
 from __future__ import annotations
 
+import itertools
 import statistics
 import time
 from dataclasses import dataclass
@@ -159,6 +160,37 @@ def time_calls(fn, calls: int, warmup: int, budget_s: float) -> list[float]:
     return times
 
 
+PROBE_BLOCKS = 4  # blocks of decode calls, with a read-bandwidth sample before, between and after
+SETTLE_CALLS = 6  # untimed calls after each sample: the first few calls after a 1.7 GB torch read run slow
+
+
+def time_with_probes(fn, timing: "Timing", probe: Callable[[], float], bytes_per_call: float) -> tuple[list, dict]:
+    """Seconds per call of fn(i) as time_calls, made in blocks with a read-bandwidth sample (GB/s)
+    before, between and after them; and the pairing: each block's GB/s over the mean of the samples
+    on either side of it, and the median of those ratios (frac_read_bw_paired) - the machine's
+    bandwidth drifts within a row, so each block is judged against its own minute. SETTLE_CALLS
+    untimed calls follow each sample, as the warm-up follows the start."""
+    for i in range(timing.warmup):
+        fn(i)
+    per, index = max(1, timing.decode_calls // PROBE_BLOCKS), itertools.count(timing.warmup)
+    samples, blocks = [probe()], []
+    while len(blocks) < PROBE_BLOCKS and sum(map(sum, blocks)) <= timing.budget_s:
+        for _ in range(SETTLE_CALLS):
+            fn(next(index))
+        block = []
+        for i in itertools.islice(index, per):
+            t0 = time.perf_counter()
+            fn(i)
+            block.append(time.perf_counter() - t0)
+        blocks.append(block)
+        samples.append(probe())
+    near = [(a + b) / 2 for a, b in zip(samples, samples[1:])]
+    ratios = [bytes_per_call / statistics.median(b) / 1e9 / n for b, n in zip(blocks, near)]
+    paired = {"read_gbps_near": statistics.median(near), "read_samples_near": samples,
+              "frac_read_bw_paired": statistics.median(ratios)}  # fmt: skip
+    return [t for b in blocks for t in b], paired
+
+
 @dataclass(frozen=True)
 class Timing:
     """How many calls each measurement makes, and the seconds it may spend."""
@@ -188,19 +220,22 @@ class Impl:
 def measure(wl: Workload, runner: Impl, timing: Timing, probe: Callable[[], float] | None = None,
             **fields) -> list[dict]:
     """The decode row (T=1, fresh experts every call) and, where the shape has one and the experts
-    are in one layer, the prefill row; each with its error against the float32 reference. probe()
-    samples the read bandwidth (GB/s): taken just before and just after the decode calls, their
-    mean is the row's read_gbps_near, the yardstick of the same minutes on a VM whose bandwidth
-    drifts."""
+    are in one layer, the prefill row; each with its error against the float32 reference. probe(),
+    when given, samples the read bandwidth (GB/s) around blocks of the decode calls
+    (time_with_probes)."""
     K = wl.shape.top_k
-    plan = decode_ids(runner.per_chunk, runner.chunks, K, timing.warmup + timing.decode_calls)
+    settle = PROBE_BLOCKS * SETTLE_CALLS if probe else 0
+    plan = decode_ids(runner.per_chunk, runner.chunks, K, timing.warmup + timing.decode_calls + settle)
     calls = [(chunk, runner.prepare(wl.x, ids, wl.weights)) for chunk, ids in plan]
     err = rel_err(torch.as_tensor(runner.forward(*calls[0])), wl.reference(plan[0][1]))
-    before = probe() if probe else None
-    times = time_calls(lambda i: runner.forward(*calls[i]), timing.decode_calls, timing.warmup, timing.budget_s)
-    near = (before + probe()) / 2 if probe else None
+    fn, bytes_per_call = (lambda i: runner.forward(*calls[i])), runner.bytes_per_expert * K
     fields = dict(fields, experts=runner.per_chunk * runner.chunks)
-    rows = [decode_row(wl.shape, times, runner.bytes_per_expert * K, err, read_gbps_near=near, **fields)]
+    if probe:
+        times, paired = time_with_probes(fn, timing, probe, bytes_per_call)
+        fields.update(paired)
+    else:
+        times = time_calls(fn, timing.decode_calls, timing.warmup, timing.budget_s)
+    rows = [decode_row(wl.shape, times, bytes_per_call, err, **fields)]
     if wl.prefill_x is None or runner.chunks != 1:
         return rows
     args = runner.prepare(wl.prefill_x, wl.prefill_ids, wl.prefill_weights)

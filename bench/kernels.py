@@ -282,8 +282,8 @@ def with_rates(row: dict, limits: dict) -> dict:
     (prefill)."""
     if "bytes_per_call" in row:
         gbps = row["bytes_per_call"] / row["ms"] / 1e6
-        near = row.get("read_gbps_near") or limits["read_gbps"]
-        return dict(row, gbps=gbps, frac_read_bw=gbps / near, frac_read_bw_run=gbps / limits["read_gbps"],
+        paired = row.get("frac_read_bw_paired", gbps / limits["read_gbps"])
+        return dict(row, gbps=gbps, frac_read_bw=paired, frac_read_bw_run=gbps / limits["read_gbps"],
                     frac_read_bw_max=gbps / limits["read_gbps_max"])
     if "flops_per_call" in row:
         gflops = row["flops_per_call"] / row["ms"] / 1e6
@@ -307,7 +307,8 @@ COLUMNS = (  # header, row key, number format (None: text, aligned left)
 
 LEGEND = """\
 decode: 1 token, top-8, fresh experts every call; GB/s = the active experts' weight bytes / time.
-BW near: read bandwidth sampled just before and after the row (GB/s); frac BW = GB/s / BW near;
+BW near: median read bandwidth (GB/s) sampled before, between and after 4 blocks of the row's calls;
+frac BW: median over the blocks of each block's GB/s / the mean of the samples either side of it;
 frac run = GB/s / the median of the run's read samples; frac max = GB/s / the best of them.
 prefill: 512 tokens, top-8; GFLOP/s = 2*T*K*3*D*I / time (integer kernels can pass the fp32 peak).
 E: experts in the layer; rel err: L2 error against float32 on the same weights (kt-kernel takes
@@ -356,7 +357,7 @@ def main(argv=None) -> None:
     trials = kt_trials(cfg) if "kt" in cfg.impls else []
     progress("machine limits, again")
     end = _machine.machine_limits(cfg.limit_reps)
-    near = [r["read_gbps_near"] for r in rows + trials if r.get("read_gbps_near")]
+    near = [v for r in rows + trials for v in r.get("read_samples_near", [])]
     limits = _machine.combined_limits(start, end, near)
     info["foreign_load"] = load.share()
     rows = display_order([with_rates(r, limits) for r in rows + fastest(trials)])

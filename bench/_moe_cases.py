@@ -232,10 +232,9 @@ def measure(wl: Workload, runner: Impl, timing: Timing, probe: Callable[[], floa
     fields = dict(fields, experts=runner.per_chunk * runner.chunks)
     if probe:
         times, paired = time_with_probes(fn, timing, probe, bytes_per_call)
-        fields.update(paired)
     else:
-        times = time_calls(fn, timing.decode_calls, timing.warmup, timing.budget_s)
-    rows = [decode_row(wl.shape, times, bytes_per_call, err, **fields)]
+        times, paired = time_calls(fn, timing.decode_calls, timing.warmup, timing.budget_s), {}
+    rows = [decode_row(wl.shape, times, bytes_per_call, err, **fields, **paired)]
     if wl.prefill_x is None or runner.chunks != 1:
         return rows
     args = runner.prepare(wl.prefill_x, wl.prefill_ids, wl.prefill_weights)

@@ -190,7 +190,8 @@ def duel(wl: mc.Workload, phase: str, fmt: str, base_name: str, base_fn, target:
     progress(f"{wl.shape.name}: {phase} tandem {fmt} against {base_name}, alternating")
     ours, _ = tandem_impl(tn, wl, fmt, tn.ThreadPool(cfg.threads))
     rounds, (n_ours, n_base) = (3, (1, 1)) if phase == "prefill" else (6, (16, 4))
-    fns = {"ours": runner(wl, ours, phase, n_ours), "base": runner(wl, torch_impl(base_fn, wl.w13, wl.w2), phase, n_base)}
+    base = torch_impl(base_fn, wl.w13, wl.w2)
+    fns = {"ours": runner(wl, ours, phase, n_ours), "base": runner(wl, base, phase, n_base)}
     times: dict[str, list[float]] = {"ours": [], "base": []}
     for _ in range(2 if cfg.quick else rounds):
         for name, calls in (("ours", n_ours), ("base", n_base)):
@@ -300,7 +301,8 @@ COLUMNS = (  # header, row key, number format (None: text, aligned left)
     ("shape", "shape", None), ("phase", "phase", None), ("impl", "impl", None), ("format", "format", None),
     ("E", "experts", "{}"), ("thr", "threads", "{}"), ("ms/call", "ms", "{:.2f}"), ("GB/s", "gbps", "{:.1f}"),
     ("BW near", "read_gbps_near", "{:.1f}"), ("frac BW", "frac_read_bw", "{:.2f}"),
-    ("frac run", "frac_read_bw_run", "{:.2f}"), ("frac max", "frac_read_bw_max", "{:.2f}"), ("GFLOP/s", "gflops", "{:.1f}"), ("frac pk", "frac_peak", "{:.2f}"),
+    ("frac run", "frac_read_bw_run", "{:.2f}"), ("frac max", "frac_read_bw_max", "{:.2f}"),
+    ("GFLOP/s", "gflops", "{:.1f}"), ("frac pk", "frac_peak", "{:.2f}"),
     ("rel err", "err", "{:.4f}"), ("note", "note", None),
 )  # fmt: skip
 
@@ -324,8 +326,9 @@ def print_table(rows: list[dict], limits: dict, info: dict) -> None:
     s, e = limits["start"], limits["end"]
     print(f"{info['cpu']} ({' '.join(info['isa'])}), {info['threads']} threads, torch {info['torch']}")
     print(f"read bandwidth {s['read_gbps']:.1f} / {e['read_gbps']:.1f} GB/s (start / end); median of the run's "
-          f"{limits['read_samples']} samples {limits['read_gbps']:.1f}, best {limits['read_gbps_max']:.1f}; "
-          f"fp32 matmul peak {s['peak_gflops']:.0f} / {e['peak_gflops']:.0f} GFLOP/s (use {limits['peak_gflops']:.0f})")  # fmt: skip
+          f"{limits['read_samples']} samples {limits['read_gbps']:.1f}, best {limits['read_gbps_max']:.1f}; fp32 "
+          f"matmul peak {s['peak_gflops']:.0f} / {e['peak_gflops']:.0f} GFLOP/s "
+          f"(use {limits['peak_gflops']:.0f})")  # fmt: skip
     warn = "  WARNING: rows are slowed, run again on a quiet machine" if info["foreign_load"] > 0.05 else ""
     print(f"other processes used {info['foreign_load']:.0%} of the CPUs during the run{warn}")
     lines = [[h for h, _, _ in COLUMNS]] + [[cell(r, key, fmt) for _, key, fmt in COLUMNS] for r in rows]

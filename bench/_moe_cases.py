@@ -217,23 +217,18 @@ class Impl:
     bytes_per_expert: float  # weight bytes one expert's gate, up and down take in this format
 
 
-def measure(wl: Workload, runner: Impl, timing: Timing, probe: Callable[[], float] | None = None,
-            **fields) -> list[dict]:
+def measure(wl: Workload, runner: Impl, timing: Timing, probe: Callable[[], float], **fields) -> list[dict]:
     """The decode row (T=1, fresh experts every call) and, where the shape has one and the experts
-    are in one layer, the prefill row; each with its error against the float32 reference. probe(),
-    when given, samples the read bandwidth (GB/s) around blocks of the decode calls
-    (time_with_probes)."""
+    are in one layer, the prefill row; each with its error against the float32 reference. probe()
+    samples the read bandwidth (GB/s) around blocks of the decode calls (time_with_probes)."""
     K = wl.shape.top_k
-    settle = PROBE_BLOCKS * SETTLE_CALLS if probe else 0
+    settle = PROBE_BLOCKS * SETTLE_CALLS
     plan = decode_ids(runner.per_chunk, runner.chunks, K, timing.warmup + timing.decode_calls + settle)
     calls = [(chunk, runner.prepare(wl.x, ids, wl.weights)) for chunk, ids in plan]
     err = rel_err(torch.as_tensor(runner.forward(*calls[0])), wl.reference(plan[0][1]))
     fn, bytes_per_call = (lambda i: runner.forward(*calls[i])), runner.bytes_per_expert * K
     fields = dict(fields, experts=runner.per_chunk * runner.chunks)
-    if probe:
-        times, paired = time_with_probes(fn, timing, probe, bytes_per_call)
-    else:
-        times, paired = time_calls(fn, timing.decode_calls, timing.warmup, timing.budget_s), {}
+    times, paired = time_with_probes(fn, timing, probe, bytes_per_call)
     rows = [decode_row(wl.shape, times, bytes_per_call, err, **fields, **paired)]
     if wl.prefill_x is None or runner.chunks != 1:
         return rows

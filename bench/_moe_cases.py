@@ -217,16 +217,20 @@ class Impl:
     bytes_per_expert: float  # weight bytes one expert's gate, up and down take in this format
 
 
+def decode_calls(wl: Workload, runner: Impl, n: int) -> list[tuple]:
+    """(chunk, prepared arguments, ids [1, K]) of n decode calls on fresh experts (decode_ids)."""
+    plan = decode_ids(runner.per_chunk, runner.chunks, wl.shape.top_k, n)
+    return [(chunk, runner.prepare(wl.x, ids, wl.weights), ids) for chunk, ids in plan]
+
+
 def measure(wl: Workload, runner: Impl, timing: Timing, probe: Callable[[], float], **fields) -> list[dict]:
     """The decode row (T=1, fresh experts every call) and, where the shape has one and the experts
     are in one layer, the prefill row; each with its error against the float32 reference. probe()
     samples the read bandwidth (GB/s) around blocks of the decode calls (time_with_probes)."""
     K = wl.shape.top_k
-    settle = PROBE_BLOCKS * SETTLE_CALLS
-    plan = decode_ids(runner.per_chunk, runner.chunks, K, timing.warmup + timing.decode_calls + settle)
-    calls = [(chunk, runner.prepare(wl.x, ids, wl.weights)) for chunk, ids in plan]
-    err = rel_err(torch.as_tensor(runner.forward(*calls[0])), wl.reference(plan[0][1]))
-    fn, bytes_per_call = (lambda i: runner.forward(*calls[i])), runner.bytes_per_expert * K
+    calls = decode_calls(wl, runner, timing.warmup + timing.decode_calls + PROBE_BLOCKS * SETTLE_CALLS)
+    err = rel_err(torch.as_tensor(runner.forward(*calls[0][:2])), wl.reference(calls[0][2]))
+    fn, bytes_per_call = (lambda i: runner.forward(*calls[i][:2])), runner.bytes_per_expert * K
     fields = dict(fields, experts=runner.per_chunk * runner.chunks)
     times, paired = time_with_probes(fn, timing, probe, bytes_per_call)
     rows = [decode_row(wl.shape, times, bytes_per_call, err, **fields, **paired)]

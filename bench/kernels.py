@@ -177,9 +177,8 @@ def runner(wl: mc.Workload, impl: mc.Impl, phase: str, calls: int):
     if phase == "prefill":
         args = impl.prepare(wl.prefill_x, wl.prefill_ids, wl.prefill_weights)
         return lambda i: impl.forward(0, args)
-    plan = mc.decode_ids(impl.per_chunk, impl.chunks, wl.shape.top_k, calls)
-    prepared = [(chunk, impl.prepare(wl.x, ids, wl.weights)) for chunk, ids in plan]
-    return lambda i: impl.forward(*prepared[i % calls])
+    prepared = mc.decode_calls(wl, impl, calls)
+    return lambda i: impl.forward(*prepared[i % calls][:2])
 
 
 def duel(wl: mc.Workload, phase: str, fmt: str, base_name: str, base_fn, target: float, cfg: BenchConfig) -> dict:
@@ -278,9 +277,9 @@ def kt_trials(cfg: BenchConfig) -> list[dict]:
 
 
 def with_rates(row: dict, limits: dict) -> dict:
-    """Adds GB/s of weights and its fraction of the read bandwidth (decode: of the bandwidth measured
-    next to the row, and of the run's best), or GFLOP/s and its fraction of the matmul peak
-    (prefill)."""
+    """Adds GB/s of weights and its fractions of the read bandwidth (decode: paired with the samples
+    around its blocks, and of the run's median and best sample), or GFLOP/s and its fraction of the
+    matmul peak (prefill)."""
     if "bytes_per_call" in row:
         gbps = row["bytes_per_call"] / row["ms"] / 1e6
         paired = row.get("frac_read_bw_paired", gbps / limits["read_gbps"])

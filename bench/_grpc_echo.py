@@ -12,7 +12,11 @@ import sys
 import threading
 from concurrent import futures
 
-import grpc
+from services.common.grpc_defaults import apply as apply_grpc_defaults
+
+apply_grpc_defaults()
+
+import grpc  # noqa: E402 (after the defaults: gRPC core reads them when it starts)
 
 METHOD = "/tandem.bench.Echo/Stream"
 

@@ -13,6 +13,10 @@ import time
 
 import torch
 
+from services.common.grpc_defaults import apply as apply_grpc_defaults
+
+apply_grpc_defaults()  # every bench process, before anything loads grpc (the JSON records the value)
+
 READ_FLOATS = 400 * 2**20  # 1.68 GB of float32, far beyond any cache
 PEAK_N = 2048
 START = time.perf_counter()
@@ -121,5 +125,6 @@ def machine_info(threads: int) -> dict:
         "threads": threads,
         "torch": torch.__version__,
         "python": platform.python_version(),
+        "grpc_experiments": os.environ.get("GRPC_EXPERIMENTS", ""),  # services/common/grpc_defaults.py
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
     }

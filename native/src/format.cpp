@@ -42,8 +42,6 @@ Matrix matrix_at(const uint8_t* base, Format f, int rows, int cols, int group) {
     return m;
 }
 
-int block_cols(Format f) { return f == Format::BF16 ? 16 : f == Format::INT8 ? kBlock : 2 * kBlock; }
-
 const char* format_name(Format f) {
     switch (f) {
         case Format::BF16: return "bf16";

@@ -53,11 +53,16 @@ size_t matrix_bytes(Format f, int rows, int cols, int group);
 size_t expert_bytes(Format f, int hidden, int intermediate, int group);
 size_t layer_bytes(Format f, int experts, int hidden, int intermediate, int group);
 Matrix matrix_at(const uint8_t* base, Format f, int rows, int cols, int group);
-int block_cols(Format f);      // columns per block: 16 (bf16), 32 (int8), 64 (int4)
+// Columns per block: 16 (bf16), 32 (int8), 64 (int4); a shift, so the kernels' address arithmetic
+// has no division in it.
+constexpr int block_shift(Format f) { return 4 + int(f); }
+constexpr int block_cols(Format f) { return 1 << block_shift(f); }
+static_assert(block_cols(Format::BF16) == 16 && block_cols(Format::INT8) == kBlock &&
+              block_cols(Format::INT4) == 2 * kBlock);
 constexpr int kBlockBytes = 32;  // bytes per block, every format
 // Address of block b (of block_cols columns) of row r.
 inline const uint8_t* block_at(const Matrix& m, int r, int b) {
-    const int blocks = m.cols / block_cols(m.format);
+    const int blocks = m.cols >> block_shift(m.format);
     return m.data + ((int64_t(r / kTileRows) * blocks + b) * kTileRows + r % kTileRows) * kBlockBytes;
 }
 const char* format_name(Format f);

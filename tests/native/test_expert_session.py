@@ -10,6 +10,7 @@ import torch
 
 from services.common import shm_layout as shm
 from tests.reference.moe import random_layer
+from tests.waiting import wait_for
 
 tn = pytest.importorskip("tandem_native")
 pytestmark = pytest.mark.native
@@ -149,6 +150,8 @@ def test_a_call_through_the_segment_equals_the_executor(session, executor):
     status, message, compute_s = session.client.result(out)
     assert (status, message) == (0, "") and compute_s > 0
     assert np.array_equal(out, expected)
+    # the server thread records its answer after ringing the client, so the client may see it first
+    assert wait_for(lambda: len(session.answers) == 1, timeout=5.0)
     assert session.answers[-1][:3] == (0, LAYER, 3) and session.answers[-1][5:] == ("00-" + "1" * 32 + "-" + "2" * 16
                                                                                     + "-01", True)
     xb = bf16_bits(x)

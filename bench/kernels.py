@@ -188,7 +188,7 @@ def duel(wl: mc.Workload, phase: str, fmt: str, base_name: str, base_fn, target:
 
     progress(f"{wl.shape.name}: {phase} tandem {fmt} against {base_name}, alternating")
     ours, _ = tandem_impl(tn, wl, fmt, tn.ThreadPool(cfg.threads))
-    rounds, (n_ours, n_base) = (3, (1, 1)) if phase == "prefill" else (6, (16, 4))
+    rounds, (n_ours, n_base) = (5, (1, 1)) if phase == "prefill" else (6, (16, 4))
     base = torch_impl(base_fn, wl.w13, wl.w2)
     fns = {"ours": runner(wl, ours, phase, n_ours), "base": runner(wl, base, phase, n_base)}
     times: dict[str, list[float]] = {"ours": [], "base": []}

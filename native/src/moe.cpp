@@ -327,6 +327,18 @@ void down_by_experts(ThreadPool& pool, const KernelTable& k, const MoeCall& c, c
     }
 }
 
+// Asks for rows [r0, r1) of m (a whole number of tiles: values, then scales) to be brought into the
+// cache ahead of use: a prefill task reads one short block of each expert's rows in turn, which the
+// hardware prefetchers do not foresee (about 8% of the down projections' time).
+void prefetch_rows(const Matrix& m, int r0, int r1) {
+    for (const uint8_t *q = block_at(m, r0, 0), *end = block_at(m, r1, 0); q < end; q += 64) __builtin_prefetch(q, 0, 2);
+    if (!m.scales) return;
+    const int groups = m.cols / m.group;
+    const auto* end = reinterpret_cast<const uint8_t*>(m.scales + size_t(r1) * groups);
+    for (const auto* q = reinterpret_cast<const uint8_t*>(m.scales + size_t(r0) * groups); q < end; q += 64)
+        __builtin_prefetch(q, 0, 2);
+}
+
 // Prefill: a task owns a block of output columns for every token and runs every expert's rows of
 // that block, accumulating in a fixed order; no [rows, D] intermediate is written.
 void down_by_columns(ThreadPool& pool, const KernelTable& k, const MoeCall& c, const Plan& p, const Prepared& h) {
@@ -337,6 +349,7 @@ void down_by_columns(ThreadPool& pool, const KernelTable& k, const MoeCall& c, c
         const int r0 = task * kColumns, r1 = std::min(D, r0 + kColumns), width = r1 - r0;
         thread_local std::vector<float> y;
         for (int a = 0; a < A; ++a) {
+            if (a + 1 < A) prefetch_rows(L.w2(p.experts[a + 1]), r0, r1);
             const int n = p.start[a + 1] - p.start[a];
             y.resize(size_t(n) * width);
             k.matmul[int(L.format)](L.w2(p.experts[a]), r0, r1, h.view(nullptr, I, p.start[a]), n, y.data(), width);

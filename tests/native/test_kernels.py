@@ -80,6 +80,22 @@ def test_larger_groups_match_generic(group, fmt, pool):
             assert relative_error(out, reference(x, ids, weights, w13, w2)) <= TOLERANCE[fmt]
 
 
+@pytest.mark.parametrize("fmt", list(TOLERANCE))
+def test_rows_longer_than_a_scale_span_match_generic(fmt, pool):
+    """The SIMD tiles prepare scales 64 blocks (2048 int8 columns) at a time and sum the spans: a
+    hidden size of two full spans and a part (4224 columns) against generic (which has no spans),
+    decode and prefill."""
+    rng = np.random.default_rng(11)
+    e, d, i = 4, 4224, 64
+    w13, w2 = random_layer(rng, e, d, i)
+    layer = tn.MoeLayer(tn.pack_experts(w13, w2, fmt, 32, pool))
+    for tokens in (1, 2, 40):
+        x = rng.standard_normal((tokens, d), dtype=np.float32)
+        ids, weights = random_routing(rng, tokens, e, 2)
+        out = run(layer, x, ids, weights, pool, "")
+        assert relative_error(out, run(layer, x, ids, weights, pool, "generic")) <= 1e-3
+
+
 def test_results_do_not_depend_on_the_thread_count(packed):
     rng = np.random.default_rng(5)
     x = rng.standard_normal((33, D), dtype=np.float32)

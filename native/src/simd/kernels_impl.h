@@ -184,48 +184,87 @@ inline __m256i int4_levels() {
 constexpr int kSpan = 64;  // blocks whose combined scales are prepared at once (2048 columns)
 constexpr int kScaleStride = kSpan + 8;  // padded: the int4 tile reads 8 scales from any block
 
-// A matrix's weight scales as the int tiles read them, worked out once per matmul call (integer
-// divisions in every tile cost about 7% of an int4 tile's time with its weights in cache).
-struct WeightScales {
+// Where a tile's weight scales come from. Both give combined<N>(r, b0, nb, xs, scale):
+// scale[i][k][j] = x scale of token i's block b0 + j times the weight scale of that block in row r + k.
+// HalfScales converts the fp16 scales for each use (decode: a tile meets one or two tokens);
+// TileScales converts a tile's scales to fp32 once (load) and shares them across many tokens (prefill).
+struct HalfScales {
     const uint16_t* data;
     int groups;     // scale groups per row
     int per_group;  // blocks per group
-    explicit WeightScales(const Matrix& w) : data(w.scales), groups(w.cols / w.group), per_group(w.group / kBlock) {}
-};
+    explicit HalfScales(const Matrix& w) : data(w.scales), groups(w.cols / w.group), per_group(w.group / kBlock) {}
+    void load(const Matrix&, int) {}
 
-// scale[k][j] = x scale of block b0 + j times the weight scale of its group in row r + k.
-void combined_scales(const WeightScales& w, int r, int b0, int nb, const float* xs, float (*scale)[kScaleStride]) {
-    const int per_group = w.per_group;
-    for (int k = 0; k < kTileRows; ++k) {
-        const uint16_t* ws = w.data + int64_t(r + k) * w.groups;
-        int j = 0;
-        if (per_group == 1)
-            for (; j + 8 <= nb; j += 8) {
-                const __m256 wv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ws + b0 + j)));
-                _mm256_storeu_ps(scale[k] + j, _mm256_mul_ps(wv, _mm256_loadu_ps(xs + b0 + j)));
-            }
-        if (j == nb) continue;
-        for (int g = (b0 + j) / per_group; j < nb; ++g) {  // a group at a time: no division per block
-            const float wg = _cvtsh_ss(ws[g]);
-            for (const int end = std::min(nb, (g + 1) * per_group - b0); j < end; ++j) scale[k][j] = xs[b0 + j] * wg;
+    template <int N>
+    void combined(int r, int b0, int nb, const float* const* xs, float (*scale)[kTileRows][kScaleStride]) const {
+        for (int k = 0; k < kTileRows; ++k) {
+            const uint16_t* ws = data + int64_t(r + k) * groups;
+            int j = 0;
+            if (per_group == 1)
+                for (; j + 8 <= nb; j += 8) {
+                    const __m256 wv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ws + b0 + j)));
+                    for (int i = 0; i < N; ++i)
+                        _mm256_storeu_ps(scale[i][k] + j, _mm256_mul_ps(wv, _mm256_loadu_ps(xs[i] + b0 + j)));
+                }
+            for (int g = (b0 + j) / per_group; j < nb; ++g)  // a group at a time: no division per block
+                for (const float wg = _cvtsh_ss(ws[g]); j < std::min(nb, (g + 1) * per_group - b0); ++j)
+                    for (int i = 0; i < N; ++i) scale[i][k][j] = xs[i][b0 + j] * wg;
         }
     }
-}
+};
+
+struct TileScales {
+    HalfScales half;
+    std::vector<float> f;  // [kTileRows][blocks]: one scale per 32-column block
+    int blocks;
+    explicit TileScales(const Matrix& w) : half(w), blocks(w.cols / kBlock) { f.resize(size_t(kTileRows) * blocks); }
+
+    void load(const Matrix&, int r) {
+        for (int k = 0; k < kTileRows; ++k) {
+            const uint16_t* ws = half.data + int64_t(r + k) * half.groups;
+            float* out = f.data() + k * blocks;
+            int b = 0;
+            if (half.per_group == 1)
+                for (; b + 8 <= blocks; b += 8)
+                    _mm256_storeu_ps(out + b, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ws + b))));
+            for (int g = b / half.per_group; b < blocks; ++g)
+                for (const float wg = _cvtsh_ss(ws[g]); b < std::min(blocks, (g + 1) * half.per_group); ++b) out[b] = wg;
+        }
+    }
+
+    template <int N>
+    void combined(int, int b0, int nb, const float* const* xs, float (*scale)[kTileRows][kScaleStride]) const {
+        for (int k = 0; k < kTileRows; ++k) {
+            const float* wk = f.data() + k * blocks + b0;
+            int j = 0;
+            for (; j + 8 <= nb; j += 8) {
+                const __m256 wv = _mm256_loadu_ps(wk + j);
+                for (int i = 0; i < N; ++i)
+                    _mm256_storeu_ps(scale[i][k] + j, _mm256_mul_ps(wv, _mm256_loadu_ps(xs[i] + b0 + j)));
+            }
+            for (; j < nb; ++j)
+                for (int i = 0; i < N; ++i) scale[i][k][j] = wk[j] * xs[i][b0 + j];
+        }
+    }
+};
+
+constexpr int kTileScaleTokens = 4;  // from this many tokens a tile's scales are converted once
 
 // One 4-row tile of int8/int4 weights against N quantized tokens (N <= kTokensPerLoad; the tokens
 // share each weight load, for prefill): y[i * ldy + k] = dot(row r + k, token i).
-template <typename Block, int N>
-void int_tile(const Matrix& w, const WeightScales& ws, int r, const int8_t* const* xq, const float* const* xs,
+template <typename Block, int N, typename Scales>
+void int_tile(const Matrix& w, const Scales& ws, int r, const int8_t* const* xq, const float* const* xs,
               float* y, int ldy) {
     const int blocks = w.cols / kBlock;
     const uint8_t* tile = block_at(w, r, 0);
-    __m256 acc[N][kTileRows];
-    for (int i = 0; i < N; ++i)
-        for (int k = 0; k < kTileRows; ++k) acc[i][k] = _mm256_setzero_ps();
+    float total[N][kTileRows] = {};
     alignas(32) float scale[N][kTileRows][kScaleStride];
     for (int b0 = 0; b0 < blocks; b0 += kSpan) {
         const int nb = std::min(kSpan, blocks - b0);
-        for (int i = 0; i < N; ++i) combined_scales(ws, r, b0, nb, xs[i], scale[i]);
+        ws.template combined<N>(r, b0, nb, xs, scale);
+        __m256 acc[N][kTileRows];
+        for (int i = 0; i < N; ++i)
+            for (int k = 0; k < kTileRows; ++k) acc[i][k] = _mm256_setzero_ps();
         for (int j = 0; j < nb; ++j, tile += kTileRows * Block::kBytes) {
             for (int line = 0; line < kTileRows * Block::kBytes; line += 64)
                 _mm_prefetch(reinterpret_cast<const char*>(tile) + kPrefetch + line, _MM_HINT_T0);
@@ -242,9 +281,11 @@ void int_tile(const Matrix& w, const WeightScales& ws, int r, const int8_t* cons
                 }
             }
         }
+        for (int i = 0; i < N; ++i)  // per span, so no accumulator lives across a call
+            for (int k = 0; k < kTileRows; ++k) total[i][k] += hsum(acc[i][k]);
     }
     for (int i = 0; i < N; ++i)
-        for (int k = 0; k < kTileRows; ++k) y[int64_t(i) * ldy + k] = hsum(acc[i][k]);
+        for (int k = 0; k < kTileRows; ++k) y[int64_t(i) * ldy + k] = total[i][k];
 }
 
 // The quantized values and block scales of tokens i .. i + N - 1.
@@ -262,24 +303,33 @@ struct TokenRows {
 };
 
 // Tokens i .. i + N - 1 against the 4-row tile at row r.
-template <typename Block, int N>
-void int_tokens(const Matrix& w, const WeightScales& ws, int r, const Activations& x, int i, float* y, int ldy) {
+template <typename Block, int N, typename Scales>
+void int_tokens(const Matrix& w, const Scales& ws, int r, const Activations& x, int i, float* y, int ldy) {
     const TokenRows<N> t(x, i);
     int_tile<Block, N>(w, ws, r, t.q, t.s, y + int64_t(i) * ldy, ldy);
 }
 
-template <typename Block>
-void int_rows(const Matrix& w, const WeightScales& ws, int r, const Activations& x, int n, float* y, int ldy) {
+template <typename Block, typename Scales>
+void int_rows(const Matrix& w, const Scales& ws, int r, const Activations& x, int n, float* y, int ldy) {
     int i = 0;
     for (; i + kTokensPerLoad <= n; i += kTokensPerLoad) int_tokens<Block, kTokensPerLoad>(w, ws, r, x, i, y, ldy);
     for (; i + 2 <= n; i += 2) int_tokens<Block, 2>(w, ws, r, x, i, y, ldy);
     if (i < n) int_tokens<Block, 1>(w, ws, r, x, i, y, ldy);
 }
 
+template <typename Block, typename Scales>
+void int_matrix(const Matrix& w, int r0, int r1, const Activations& x, int n, float* y, int ldy) {
+    Scales ws(w);
+    for (int r = r0; r < r1; r += kTileRows) {
+        ws.load(w, r);
+        int_rows<Block>(w, ws, r, x, n, y + (r - r0), ldy);
+    }
+}
+
 template <typename Block>
 void matmul_int(const Matrix& w, int r0, int r1, const Activations& x, int n, float* y, int ldy) {
-    const WeightScales ws(w);
-    for (int r = r0; r < r1; r += kTileRows) int_rows<Block>(w, ws, r, x, n, y + (r - r0), ldy);
+    if (n >= kTileScaleTokens) int_matrix<Block, TileScales>(w, r0, r1, x, n, y, ldy);
+    else int_matrix<Block, HalfScales>(w, r0, r1, x, n, y, ldy);
 }
 
 // 128 * (sum of the 4 activations behind each int32 lane of an int4 dot): the correction that
@@ -315,20 +365,21 @@ inline __m256i int4_dot(__m256i lo, __m256i hi, __m256i xlo, __m256i xhi, __m256
 // low lanes belong to the first half-block and high lanes to the second (scaled by one vpermps of
 // the combined scales). A token's arithmetic does not depend on N or on its batch-mates, so a token
 // gets the same result decoded alone or in a prefill batch (batch invariance).
-template <int N>
-void int4_tile(const Matrix& w, const WeightScales& ws, int r, const int8_t* const* xq, const float* const* xs,
+template <int N, typename Scales>
+void int4_tile(const Matrix& w, const Scales& ws, int r, const int8_t* const* xq, const float* const* xs,
                float* y, int ldy) {
     const int blocks = w.cols / kBlock;
     const uint8_t* tile = block_at(w, r, 0);
     const __m256i table = _mm256_xor_si256(int4_levels(), _mm256_set1_epi8(char(0x80)));
     const __m256i pair = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);  // scales of blocks j, j + 1
-    __m256 acc[N][kTileRows];
-    for (int i = 0; i < N; ++i)
-        for (int k = 0; k < kTileRows; ++k) acc[i][k] = _mm256_setzero_ps();
+    float total[N][kTileRows] = {};
     alignas(32) float scale[N][kTileRows][kScaleStride];
     for (int b0 = 0; b0 < blocks; b0 += kSpan) {
         const int nb = std::min(kSpan, blocks - b0);
-        for (int i = 0; i < N; ++i) combined_scales(ws, r, b0, nb, xs[i], scale[i]);
+        ws.template combined<N>(r, b0, nb, xs, scale);
+        __m256 acc[N][kTileRows];
+        for (int i = 0; i < N; ++i)
+            for (int k = 0; k < kTileRows; ++k) acc[i][k] = _mm256_setzero_ps();
         for (int j = 0; j < nb; j += 2, tile += kTileRows * kBlockBytes) {
             _mm_prefetch(reinterpret_cast<const char*>(tile) + kPrefetch, _MM_HINT_T0);
             _mm_prefetch(reinterpret_cast<const char*>(tile) + kPrefetch + 64, _MM_HINT_T0);
@@ -350,28 +401,37 @@ void int4_tile(const Matrix& w, const WeightScales& ws, int r, const int8_t* con
                 }
             }
         }
+        for (int i = 0; i < N; ++i)  // per span, so no accumulator lives across a call
+            for (int k = 0; k < kTileRows; ++k) total[i][k] += hsum(acc[i][k]);
     }
     for (int i = 0; i < N; ++i)
-        for (int k = 0; k < kTileRows; ++k) y[int64_t(i) * ldy + k] = hsum(acc[i][k]);
+        for (int k = 0; k < kTileRows; ++k) y[int64_t(i) * ldy + k] = total[i][k];
 }
 
 // Tokens i .. i + N - 1 against the int4 tile at row r.
-template <int N>
-void int4_tokens(const Matrix& w, const WeightScales& ws, int r, const Activations& x, int i, float* y, int ldy) {
+template <int N, typename Scales>
+void int4_tokens(const Matrix& w, const Scales& ws, int r, const Activations& x, int i, float* y, int ldy) {
     const TokenRows<N> t(x, i);
     int4_tile<N>(w, ws, r, t.q, t.s, y + int64_t(i) * ldy, ldy);
 }
 
 constexpr int kInt4Tokens = 2;  // tokens sharing one unpacked tile (more spill on AVX2's 16 registers)
 
-void matmul_int4(const Matrix& w, int r0, int r1, const Activations& x, int n, float* y, int ldy) {
-    const WeightScales ws(w);
+template <typename Scales>
+void int4_matrix(const Matrix& w, int r0, int r1, const Activations& x, int n, float* y, int ldy) {
+    Scales ws(w);
     for (int r = r0; r < r1; r += kTileRows) {
+        ws.load(w, r);
         float* yr = y + (r - r0);
         int i = 0;
         for (; i + kInt4Tokens <= n; i += kInt4Tokens) int4_tokens<kInt4Tokens>(w, ws, r, x, i, yr, ldy);
         if (i < n) int4_tokens<1>(w, ws, r, x, i, yr, ldy);
     }
+}
+
+void matmul_int4(const Matrix& w, int r0, int r1, const Activations& x, int n, float* y, int ldy) {
+    if (n >= kTileScaleTokens) int4_matrix<TileScales>(w, r0, r1, x, n, y, ldy);
+    else int4_matrix<HalfScales>(w, r0, r1, x, n, y, ldy);
 }
 
 // The 4 rows of an int4 tile -> the same rows as int8 blocks, in the int8 packed layout (AMX

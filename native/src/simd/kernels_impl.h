@@ -184,67 +184,76 @@ inline __m256i int4_levels() {
 constexpr int kSpan = 64;  // blocks whose combined scales are prepared at once (2048 columns)
 constexpr int kScaleStride = kSpan + 8;  // padded: the int4 tile reads 8 scales from any block
 
+// Walks the fp16 group scales ws of one row over blocks b0 + j, j < nb, a group at a time (no
+// division per block): put8(j, v) takes 8 blocks' fp32 scales at once where a group is one block,
+// put(j, s) one block's otherwise.
+template <typename Put8, typename Put>
+inline void for_block_scales(const uint16_t* ws, int per_group, int b0, int nb, Put8 put8, Put put) {
+    int j = 0;
+    if (per_group == 1)
+        for (; j + 8 <= nb; j += 8) put8(j, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ws + b0 + j))));
+    for (int g = (b0 + j) / per_group; j < nb; ++g)
+        for (const float wg = _cvtsh_ss(ws[g]); j < std::min(nb, (g + 1) * per_group - b0); ++j) put(j, wg);
+}
+
+// scale[i][k][j] = wk[j] times the x scale of token i's block b0 + j, j < nb.
+template <int N>
+inline void scale_products(const float* wk, int k, int b0, int nb, const float* const* xs,
+                           float (*scale)[kTileRows][kScaleStride]) {
+    int j = 0;
+    for (; j + 8 <= nb; j += 8) {
+        const __m256 wv = _mm256_loadu_ps(wk + j);
+        for (int i = 0; i < N; ++i) _mm256_storeu_ps(scale[i][k] + j, _mm256_mul_ps(wv, _mm256_loadu_ps(xs[i] + b0 + j)));
+    }
+    for (; j < nb; ++j)
+        for (int i = 0; i < N; ++i) scale[i][k][j] = wk[j] * xs[i][b0 + j];
+}
+
 // Where a tile's weight scales come from. Both give combined<N>(r, b0, nb, xs, scale):
 // scale[i][k][j] = x scale of token i's block b0 + j times the weight scale of that block in row r + k.
-// HalfScales converts the fp16 scales for each use (decode: a tile meets one or two tokens);
-// TileScales converts a tile's scales to fp32 once (load) and shares them across many tokens (prefill).
+// HalfScales converts the fp16 scales at each use (decode: a tile meets one or two tokens);
+// TileScales converts a tile's scales once (load) and shares them across its many tokens (prefill).
 struct HalfScales {
     const uint16_t* data;
     int groups;     // scale groups per row
     int per_group;  // blocks per group
     explicit HalfScales(const Matrix& w) : data(w.scales), groups(w.cols / w.group), per_group(w.group / kBlock) {}
-    void load(const Matrix&, int) {}
+    const uint16_t* row(int r) const { return data + int64_t(r) * groups; }
+    void load(int) {}
 
     template <int N>
     void combined(int r, int b0, int nb, const float* const* xs, float (*scale)[kTileRows][kScaleStride]) const {
-        for (int k = 0; k < kTileRows; ++k) {
-            const uint16_t* ws = data + int64_t(r + k) * groups;
-            int j = 0;
-            if (per_group == 1)
-                for (; j + 8 <= nb; j += 8) {
-                    const __m256 wv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ws + b0 + j)));
+        for (int k = 0; k < kTileRows; ++k)
+            for_block_scales(
+                row(r + k), per_group, b0, nb,
+                [&](int j, __m256 wv) {
                     for (int i = 0; i < N; ++i)
                         _mm256_storeu_ps(scale[i][k] + j, _mm256_mul_ps(wv, _mm256_loadu_ps(xs[i] + b0 + j)));
-                }
-            for (int g = (b0 + j) / per_group; j < nb; ++g)  // a group at a time: no division per block
-                for (const float wg = _cvtsh_ss(ws[g]); j < std::min(nb, (g + 1) * per_group - b0); ++j)
-                    for (int i = 0; i < N; ++i) scale[i][k][j] = xs[i][b0 + j] * wg;
-        }
+                },
+                [&](int j, float wg) {
+                    for (int i = 0; i < N; ++i) scale[i][k][j] = wg * xs[i][b0 + j];
+                });
     }
 };
 
 struct TileScales {
     HalfScales half;
-    std::vector<float> f;  // [kTileRows][blocks]: one scale per 32-column block
     int blocks;
-    explicit TileScales(const Matrix& w) : half(w), blocks(w.cols / kBlock) { f.resize(size_t(kTileRows) * blocks); }
+    std::vector<float> f;  // [kTileRows][blocks]: the current tile's scales, one per 32-column block
+    explicit TileScales(const Matrix& w) : half(w), blocks(w.cols / kBlock), f(size_t(kTileRows) * blocks) {}
 
-    void load(const Matrix&, int r) {
+    void load(int r) {
         for (int k = 0; k < kTileRows; ++k) {
-            const uint16_t* ws = half.data + int64_t(r + k) * half.groups;
             float* out = f.data() + k * blocks;
-            int b = 0;
-            if (half.per_group == 1)
-                for (; b + 8 <= blocks; b += 8)
-                    _mm256_storeu_ps(out + b, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ws + b))));
-            for (int g = b / half.per_group; b < blocks; ++g)
-                for (const float wg = _cvtsh_ss(ws[g]); b < std::min(blocks, (g + 1) * half.per_group); ++b) out[b] = wg;
+            for_block_scales(
+                half.row(r + k), half.per_group, 0, blocks, [&](int j, __m256 wv) { _mm256_storeu_ps(out + j, wv); },
+                [&](int j, float wg) { out[j] = wg; });
         }
     }
 
     template <int N>
     void combined(int, int b0, int nb, const float* const* xs, float (*scale)[kTileRows][kScaleStride]) const {
-        for (int k = 0; k < kTileRows; ++k) {
-            const float* wk = f.data() + k * blocks + b0;
-            int j = 0;
-            for (; j + 8 <= nb; j += 8) {
-                const __m256 wv = _mm256_loadu_ps(wk + j);
-                for (int i = 0; i < N; ++i)
-                    _mm256_storeu_ps(scale[i][k] + j, _mm256_mul_ps(wv, _mm256_loadu_ps(xs[i] + b0 + j)));
-            }
-            for (; j < nb; ++j)
-                for (int i = 0; i < N; ++i) scale[i][k][j] = wk[j] * xs[i][b0 + j];
-        }
+        for (int k = 0; k < kTileRows; ++k) scale_products<N>(f.data() + k * blocks + b0, k, b0, nb, xs, scale);
     }
 };
 
@@ -321,7 +330,7 @@ template <typename Block, typename Scales>
 void int_matrix(const Matrix& w, int r0, int r1, const Activations& x, int n, float* y, int ldy) {
     Scales ws(w);
     for (int r = r0; r < r1; r += kTileRows) {
-        ws.load(w, r);
+        ws.load(r);
         int_rows<Block>(w, ws, r, x, n, y + (r - r0), ldy);
     }
 }
@@ -421,7 +430,7 @@ template <typename Scales>
 void int4_matrix(const Matrix& w, int r0, int r1, const Activations& x, int n, float* y, int ldy) {
     Scales ws(w);
     for (int r = r0; r < r1; r += kTileRows) {
-        ws.load(w, r);
+        ws.load(r);
         float* yr = y + (r - r0);
         int i = 0;
         for (; i + kInt4Tokens <= n; i += kInt4Tokens) int4_tokens<kInt4Tokens>(w, ws, r, x, i, yr, ldy);

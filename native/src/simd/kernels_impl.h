@@ -371,8 +371,8 @@ inline __m256i int4_dot(__m256i lo, __m256i hi, __m256i xlo, __m256i xhi, __m256
 // One 4-row tile of int4 weights against N quantized tokens (N <= kTokensPerLoad), their
 // activations 7-bit (activation_levels). Each 32-byte load gives two 32-column halves, unpacked
 // once for all N tokens; x is rearranged to match, so both halves reduce into one register whose
-// low lanes belong to the first half-block and high lanes to the second (scaled by one vpermps of
-// the combined scales). A token's arithmetic does not depend on N or on its batch-mates, so a token
+// low lanes belong to the first half-block and high lanes to the second (scaled by the combined
+// scales of both blocks). A token's arithmetic does not depend on N or on its batch-mates, so a token
 // gets the same result decoded alone or in a prefill batch (batch invariance).
 template <int N, typename Scales>
 void int4_tile(const Matrix& w, const Scales& ws, int r, const int8_t* const* xq, const float* const* xs,
@@ -380,7 +380,6 @@ void int4_tile(const Matrix& w, const Scales& ws, int r, const int8_t* const* xq
     const int blocks = w.cols / kBlock;
     const uint8_t* tile = block_at(w, r, 0);
     const __m256i table = _mm256_xor_si256(int4_levels(), _mm256_set1_epi8(char(0x80)));
-    const __m256i pair = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);  // scales of blocks j, j + 1
     float total[N][kTileRows] = {};
     alignas(32) float scale[N][kTileRows][kScaleStride];
     for (int b0 = 0; b0 < blocks; b0 += kSpan) {
@@ -404,7 +403,10 @@ void int4_tile(const Matrix& w, const Scales& ws, int r, const int8_t* const* xq
                 __m256i lo, hi;
                 load_int4(tile + k * kBlockBytes, table, lo, hi);
                 for (int i = 0; i < N; ++i) {
-                    const __m256 sc = _mm256_permutevar8x32_ps(_mm256_loadu_ps(&scale[i][k][j]), pair);
+                    // the scales of blocks j (low lanes) and j + 1: two broadcast loads and a blend
+                    // keep the shuffle unit, which the unpacking and the dot products saturate, free
+                    const __m256 sc = _mm256_blend_ps(_mm256_broadcast_ss(&scale[i][k][j]),
+                                                      _mm256_broadcast_ss(&scale[i][k][j + 1]), 0xf0);
                     const __m256i dot = int4_dot(lo, hi, xlo[i], xhi[i], correction[i]);
                     acc[i][k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), sc, acc[i][k]);
                 }

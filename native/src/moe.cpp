@@ -140,15 +140,15 @@ struct GroupQuantizer {
 };
 
 // Quantizes row r of matrix m from its C float values; returns false on a non-finite value or scale.
-bool pack_row(const float* w, const Matrix& m, int r, uint16_t* scales) {
+bool pack_row(const float* w, const Matrix& m, int r) {
     const Format f = m.format;
-    const int cols = m.cols, group = m.group, width = block_cols(f);
-    auto block = [&](int c) { return const_cast<uint8_t*>(block_at(m, r, c / width)); };
+    const int cols = m.cols, group = m.group;
     if (f == Format::BF16) {
+        const int width = block_cols(f);
         bool ok = true;
         for (int c = 0; c < cols; ++c) {
             ok &= std::isfinite(w[c]);
-            reinterpret_cast<uint16_t*>(block(c))[c % width] = float_to_bf16(w[c]);
+            reinterpret_cast<uint16_t*>(const_cast<uint8_t*>(block_at(m, r, c / width)))[c % width] = float_to_bf16(w[c]);
         }
         return ok;
     }
@@ -160,18 +160,16 @@ bool pack_row(const float* w, const Matrix& m, int r, uint16_t* scales) {
             if (!std::isfinite(wg[j])) return false;
             amax = std::max(amax, std::fabs(wg[j]));
         }
-        scales[g] = quant.scale(wg, group, amax);
-        const float scale = fp16_to_float(scales[g]);
+        uint16_t& stored = *const_cast<uint16_t*>(int_scale_at(m, r, g));
+        stored = quant.scale(wg, group, amax);
+        const float scale = fp16_to_float(stored);
         if (!std::isfinite(scale)) return false;
         const float inv = scale > 0.f ? 1.f / scale : 0.f;
         for (int j = 0; j < group; ++j) {
             const int q = quant.code(wg[j] * inv), c = g * group + j;
-            if (f == Format::INT8) {
-                block(c)[c % kBlock] = uint8_t(int8_t(q));
-            } else {  // nibble layout of format.h: column j and j + 16 of each 32-column block share a byte
-                uint8_t& byte = block(c)[((c % 64) / kBlock) * (kBlock / 2) + c % (kBlock / 2)];
-                byte = (c % kBlock) < kBlock / 2 ? uint8_t((byte & 0xf0) | q) : uint8_t((byte & 0x0f) | (q << 4));
-            }
+            uint8_t& byte = *const_cast<uint8_t*>(int_byte_at(m, r, c));
+            if (f == Format::INT8) byte = uint8_t(int8_t(q));
+            else byte = c % 8 < 4 ? uint8_t((byte & 0xf0) | q) : uint8_t((byte & 0x0f) | (q << 4));  // format.h's nibbles
         }
     }
     return true;
@@ -206,14 +204,20 @@ void pack_layer(ThreadPool& pool, const float* w13, const float* w2, Format f, i
                 const int row = first ? r : r - 2 * intermediate;
                 const float* src = first ? w13 + (size_t(e) * 2 * intermediate + row) * hidden
                                          : w2 + (size_t(e) * hidden + row) * intermediate;
-                uint16_t* scales = m.scales ? const_cast<uint16_t*>(m.scales) + size_t(row) * (m.cols / group) : nullptr;
-                if (!pack_row(src, m, row, scales)) bad = first ? 0 : 1;
+                if (!pack_row(src, m, row)) bad = first ? 0 : 1;
             }
         });
     });
     if (bad >= 0)
         throw std::invalid_argument(std::string(bad == 0 ? "w13" : "w2") +
                                     ": non-finite value, or a scale beyond fp16's range");
+}
+
+void int4_corrections(const int8_t* q, int cols, int32_t* out) {
+    for (int c = 0; c < cols; c += 8, q += 8) {
+        const int lo = 128 * (q[0] + q[1] + q[4] + q[5]), hi = 128 * (q[2] + q[3] + q[6] + q[7]);
+        *out++ = int32_t(uint32_t(uint16_t(lo)) | (uint32_t(uint16_t(hi)) << 16));
+    }
 }
 
 // ---------------------------------------------------------------- forward
@@ -264,6 +268,7 @@ int rows_per_task(int rows, int experts, int threads) {
 struct Prepared {
     std::vector<int8_t> q;
     std::vector<float> s, f;
+    std::vector<int32_t> c;  // int4 only
 
     Activations view(const int32_t* index, int cols, size_t first_row) const {
         Activations a;
@@ -272,6 +277,7 @@ struct Prepared {
         if (!q.empty()) {
             a.q = q.data() + first_row * cols;
             a.s = s.data() + first_row * (cols / kBlock);
+            if (!c.empty()) a.c = c.data() + first_row * (cols / 8);
         } else {
             a.f = f.data() + first_row * cols;
         }
@@ -288,6 +294,7 @@ Prepared prepare(ThreadPool& pool, const KernelTable& k, Format f, int rows, int
     if (quantized) {
         out.q.resize(size_t(rows) * cols);
         out.s.resize(size_t(rows) * (cols / kBlock));
+        if (f == Format::INT4) out.c.resize(size_t(rows) * (cols / 8));
     } else {
         out.f.resize(size_t(rows) * cols);
     }
@@ -300,6 +307,7 @@ Prepared prepare(ThreadPool& pool, const KernelTable& k, Format f, int rows, int
             if (!quantized) k.arrange(tmp.data(), cols, out.f.data() + size_t(r) * cols);
             else k.quantize(tmp.data(), cols, activation_levels(f), out.q.data() + size_t(r) * cols,
                             out.s.data() + size_t(r) * (cols / kBlock));
+            if (!out.c.empty()) int4_corrections(out.q.data() + size_t(r) * cols, cols, out.c.data() + size_t(r) * (cols / 8));
         }
     };
     const int tasks = (rows + chunk - 1) / chunk;
@@ -327,16 +335,17 @@ void down_by_experts(ThreadPool& pool, const KernelTable& k, const MoeCall& c, c
     }
 }
 
+void prefetch_range(const void* begin, const void* end) {
+    for (auto* q = static_cast<const uint8_t*>(begin); q < static_cast<const uint8_t*>(end); q += 64) __builtin_prefetch(q, 0, 2);
+}
+
 // Asks for rows [r0, r1) of m (a whole number of tiles: values, then scales) to be brought into the
 // cache ahead of use: a prefill task reads one short block of each expert's rows in turn, which the
 // hardware prefetchers do not foresee (about 8% of the down projections' time).
 void prefetch_rows(const Matrix& m, int r0, int r1) {
-    for (const uint8_t *q = block_at(m, r0, 0), *end = block_at(m, r1, 0); q < end; q += 64) __builtin_prefetch(q, 0, 2);
-    if (!m.scales) return;
-    const int groups = m.cols / m.group;
-    const auto* end = reinterpret_cast<const uint8_t*>(m.scales + size_t(r1) * groups);
-    for (const auto* q = reinterpret_cast<const uint8_t*>(m.scales + size_t(r0) * groups); q < end; q += 64)
-        __builtin_prefetch(q, 0, 2);
+    if (m.format == Format::BF16) return prefetch_range(block_at(m, r0, 0), block_at(m, r1, 0));
+    prefetch_range(int_block_at(m, r0, 0), int_block_at(m, r1, 0));
+    prefetch_range(int_scale_at(m, r0, 0), int_scale_at(m, r1, 0));
 }
 
 // Prefill: a task owns a block of output columns for every token and runs every expert's rows of

@@ -1,16 +1,20 @@
 // Packed routed-expert layers: one flat buffer = a 64-byte header, then per expert the w13 matrix
 // ([2I, D]: gate rows, then up rows) and the w2 matrix ([D, I]), each section 64-byte aligned.
-// A matrix of R rows x C columns (both multiples of 32; of 64 for int4) is cut into 32-byte blocks:
-// 16 columns of bf16, 32 of int8 or 64 of int4. Values are stored in tiles of 4 rows, block by
-// block ([R/4][C/block][4 rows][block bytes]), so the 4 rows a kernel computes together are one
-// sequential stream; then come the fp16 scales, row-major [R][C/G].
-//   bf16: a block is 16 uint16.
-//   int8: a block is 32 int8, symmetric: w = scale * q.
-//   int4: a block is two 32-column halves of 16 bytes; byte j of a half holds its column j in the
-//         low nibble and column j+16 in the high nibble, so one 32-byte load unpacks into two
-//         registers of 32 weights. A nibble indexes the 16 non-uniform levels of kInt4Levels (as
-//         llama.cpp's IQ4_NL), so w = scale * kInt4Levels[q].
 // D hidden size, I expert intermediate size, E experts, G group size (a multiple of 32).
+// bf16: a matrix of R rows x C columns (multiples of 16) is stored in tiles of 4 rows, 16 columns
+//   (32 bytes) of a row at a time ([R/4][C/16][4 rows][16 uint16]), so the 4 rows a kernel computes
+//   together are one sequential stream.
+// int8 and int4: R and C are multiples of 32 (of 64 for int4), w = scale * q with one fp16 scale per
+//   G columns of a row. Values are stored in tiles of 16 rows, 32 columns at a time, each 32-column
+//   block as steps of a few columns with the 16 rows' 4 bytes side by side
+//   ([R/16][C/32][steps][16 rows][4 bytes]), so one 32-byte load holds 8 rows' next columns and a
+//   token's matching columns are one broadcast (the kernels keep a row's sums in a vector lane, and
+//   the block is AMX's int8 B operand as it is):
+//     int8: 8 steps of 4 columns, symmetric int8 q;
+//     int4: 4 steps of 8 columns; byte j of a row's 4 holds column j in its low nibble and column
+//           j + 4 in its high nibble, an index into the 16 non-uniform levels of kInt4Levels (as
+//           llama.cpp's IQ4_NL): w = scale * kInt4Levels[q].
+//   The scales follow the values, tile by tile: [R/16][C/G][16 rows] fp16.
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -20,8 +24,9 @@ namespace tandem {
 enum class Format : uint32_t { BF16 = 0, INT8 = 1, INT4 = 2 };
 constexpr int kFormats = 3;
 constexpr int kBlock = 32;  // activation quantization block, and the int8/int4 weight block
-constexpr int kTileRows = 4;
-constexpr uint32_t kLayoutVersion = 1;
+constexpr int kTileRows = 4;       // rows of a bf16 tile
+constexpr int kIntTileRows = 16;   // rows of an int8 / int4 tile
+constexpr uint32_t kLayoutVersion = 2;
 // Levels of the int4 format, denser near zero where most weights lie: about 12% less error than
 // 16 evenly spaced levels on normally distributed weights, at the same size and speed.
 constexpr int8_t kInt4Levels[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
@@ -53,17 +58,35 @@ size_t matrix_bytes(Format f, int rows, int cols, int group);
 size_t expert_bytes(Format f, int hidden, int intermediate, int group);
 size_t layer_bytes(Format f, int experts, int hidden, int intermediate, int group);
 Matrix matrix_at(const uint8_t* base, Format f, int rows, int cols, int group);
-// Columns per block: 16 (bf16), 32 (int8), 64 (int4); a shift, so the kernels' address arithmetic
-// has no division in it.
+// What a matrix's columns (and the hidden and intermediate sizes) must be a multiple of: 16 (bf16,
+// its block width), 32 (int8), 64 (int4, a whole number of bytes per tile row); a shift, so the
+// bf16 address arithmetic has no division in it.
 constexpr int block_shift(Format f) { return 4 + int(f); }
 constexpr int block_cols(Format f) { return 1 << block_shift(f); }
 static_assert(block_cols(Format::BF16) == 16 && block_cols(Format::INT8) == kBlock &&
               block_cols(Format::INT4) == 2 * kBlock);
-constexpr int kBlockBytes = 32;  // bytes per block, every format
-// Address of block b (of block_cols columns) of row r.
+constexpr int kBlockBytes = 32;  // bytes per bf16 block, and per step of an int tile's 8 rows
+// Address of block b (of block_cols columns) of row r, bf16.
 inline const uint8_t* block_at(const Matrix& m, int r, int b) {
     const int blocks = m.cols >> block_shift(m.format);
     return m.data + ((int64_t(r / kTileRows) * blocks + b) * kTileRows + r % kTileRows) * kBlockBytes;
+}
+
+// int8 / int4: bytes of one 32-column block of a 16-row tile (512 and 256), its columns per step
+// (4 and 8), and the address of block b of the tile holding row r.
+constexpr int int_block_bytes(Format f) { return f == Format::INT8 ? 512 : 256; }
+constexpr int int_step_cols(Format f) { return f == Format::INT8 ? 4 : 8; }
+inline const uint8_t* int_block_at(const Matrix& m, int r, int b) {
+    return m.data + (int64_t(r / kIntTileRows) * (m.cols / kBlock) + b) * int_block_bytes(m.format);
+}
+// The byte holding column c of row r (int4: in its low nibble when c % 8 < 4, else its high one).
+inline const uint8_t* int_byte_at(const Matrix& m, int r, int c) {
+    const int step = int_step_cols(m.format);
+    return int_block_at(m, r, c / kBlock) + ((c % kBlock) / step * kIntTileRows + r % kIntTileRows) * 4 + c % 4;
+}
+// The fp16 scale of group g of row r.
+inline const uint16_t* int_scale_at(const Matrix& m, int r, int g) {
+    return m.scales + (int64_t(r / kIntTileRows) * (m.cols / m.group) + g) * kIntTileRows + r % kIntTileRows;
 }
 const char* format_name(Format f);
 

@@ -16,6 +16,7 @@ struct Activations {
     const float* f = nullptr;   // [rows][C]
     const int8_t* q = nullptr;  // [rows][C]
     const float* s = nullptr;   // [rows][C / 32]
+    const int32_t* c = nullptr;  // int4 weights: [rows][C / 8] from int4_corrections
     const int32_t* index = nullptr;
     int cols = 0;
 
@@ -31,6 +32,10 @@ using QuantizeFn = void (*)(const float* x, int cols, int levels, int8_t* q, flo
 // The range activations are quantized to against a format's weights: int8 uses all of int8; int4
 // uses 7 bits, so that its unsigned (offset) weights times them fit the int16 sums of maddubs.
 constexpr int activation_levels(Format f) { return f == Format::INT4 ? 63 : 127; }
+// What the SIMD int4 kernels subtract from sums against the levels offset by 128 (unsigned), per 8
+// columns of a quantized row (one step of format.h's int4 tile, columns j and j + 4 sharing a
+// byte): two int16 in one int32, 128 * (x0 + x1 + x4 + x5) low and 128 * (x2 + x3 + x6 + x7) high.
+void int4_corrections(const int8_t* q, int cols, int32_t* out);
 // One row of C fp32 values -> the layout this variant's bf16 matmul reads, C floats' worth of bytes
 // (may reorder the columns, or split each value into two bf16 parts).
 using ArrangeFn = void (*)(const float* x, int cols, float* out);

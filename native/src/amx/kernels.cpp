@@ -3,8 +3,9 @@
 // each; bf16 weights use tdpbf16ps against the hi and lo bf16 parts of x (as avx512_bf16 splits
 // them), accumulating in the tile. Under kAmxMinTokens tokens, and for everything besides the matrix
 // products, the shared SIMD kernels run, compiled here as in the avx512_bf16 variant.
-// Weights keep the packed layout: each 16-row slab is repacked on the fly, into a per-thread
-// buffer, to the B operand layout (the 16 rows' 4-byte column groups interleaved).
+// int8 weights are B operands as packed (format.h: a 32-column block of a 16-row tile is the 16
+// rows' 4-byte column groups interleaved); int4 tiles are expanded to that, and bf16 16-row slabs
+// repacked to it, block by block, into a per-thread buffer.
 // M tokens per tile (16), N weight rows per tile (16).
 #include <cstring>
 
@@ -54,8 +55,8 @@ inline void operands_ready() { __asm__ volatile("" ::: "memory"); }
 
 int round_up(int n, int m) { return (n + m - 1) / m * m; }
 
-// Rows r .. r + 15 as B operands: dst[b][j][n] = 32-bit column group j of block b of row r + n.
-// group[g] points at rows r + 4g .. r + 4g + 3 in the packed layout ([blocks][4 rows][32 bytes]).
+// bf16 rows r .. r + 15 as B operands: dst[b][j][n] = 32-bit column group j of block b of row
+// r + n. group[g] points at rows r + 4g .. r + 4g + 3 in the packed layout ([blocks][4 rows][32 bytes]).
 void repack_slab(const uint8_t* const* group, int blocks, uint32_t* dst) {
     for (int b = 0; b < blocks; ++b, dst += kBTileWords)
         for (int n = 0; n < kTileN; ++n) {
@@ -81,11 +82,10 @@ void gather_int8(const Activations& x, int i0, int count, int padded, int8_t* q,
     }
 }
 
-// ws[g][n] = the scale of group g in row r + n.
+// ws[g][n] = the scale of group g in row r + n (stored in that order, format.h).
 void slab_scales(const Matrix& w, int r, float* ws) {
-    const int groups = w.cols / w.group;
-    for (int n = 0; n < kTileN; ++n)
-        for (int g = 0; g < groups; ++g) ws[g * kTileN + n] = _cvtsh_ss(w.scales[int64_t(r + n) * groups + g]);
+    const uint16_t* half = int_scale_at(w, r, 0);
+    for (int i = 0; i < w.cols / w.group * kTileN; ++i) ws[i] = _cvtsh_ss(half[i]);
 }
 
 // y[m * ldy + n] = dot(slab row n, token m) for m < count, from 16 gathered tokens (q, s), the
@@ -112,49 +112,42 @@ void int8_product(const uint32_t* slab, const float* ws, int per_group, const in
 
 void matmul_int_simd(const Matrix& w, int r0, int r1, const Activations& x, int n, float* y, int ldy) {
     if (w.format == Format::INT4) matmul_int4(w, r0, r1, x, n, y, ldy);
-    else matmul_int<Int8Block>(w, r0, r1, x, n, y, ldy);
+    else matmul_int8(w, r0, r1, x, n, y, ldy);
 }
 
-// int8 or int4 weights (int4 tiles expanded to int8 first); rows past the last whole slab, and
-// calls with few tokens, go to the SIMD kernels.
+// int8 or int4 weights (int4 tiles expanded to int8 first); calls with few tokens go to the SIMD
+// kernels. r0 and r1 are multiples of the 16-row tile (format.h), which is a slab.
 void matmul_int_tiles(const Matrix& w, int r0, int r1, const Activations& x, int n, float* y, int ldy) {
+    static_assert(kIntTileRows == kTileN, "an int tile is one B operand slab");
     if (n < kAmxMinTokens) return matmul_int_simd(w, r0, r1, x, n, y, ldy);
     const bool int4 = w.format == Format::INT4;
-    const int cols = w.cols, blocks = cols / kBlock, slab_end = r0 + (r1 - r0) / kTileN * kTileN;
+    const int cols = w.cols, blocks = cols / kBlock;
     thread_local std::vector<int8_t> q;
     thread_local std::vector<float> s, ws;
-    thread_local std::vector<uint32_t> slab;
-    thread_local std::vector<uint8_t> expanded;
+    thread_local std::vector<uint32_t> expanded;
     q.resize(size_t(kTokenChunk) * cols);
     s.resize(size_t(kTokenChunk) * blocks);
     ws.resize(size_t(kTileN) * (cols / w.group));
-    slab.resize(size_t(blocks) * kBTileWords);
-    expanded.resize(int4 ? size_t(kTileN) * cols : 0);
-    {
-        TileScope tiles(kInt8Tiles);
-        for (int i0 = 0; i0 < n; i0 += kTokenChunk) {
-            const int count = std::min(kTokenChunk, n - i0);
-            gather_int8(x, i0, count, round_up(count, kTileM), q.data(), s.data());
-            for (int r = r0; r < slab_end; r += kTileN) {
-                const uint8_t* group[kTileN / kTileRows];
-                for (int g = 0; g < kTileN / kTileRows; ++g) {
-                    group[g] = block_at(w, r + g * kTileRows, 0);
-                    if (!int4) continue;
-                    uint8_t* dst = expanded.data() + size_t(g) * kTileRows * cols;
-                    expand_int4_tile(group[g], cols, dst);
-                    group[g] = dst;
-                }
-                repack_slab(group, blocks, slab.data());
-                slab_scales(w, r, ws.data());
-                operands_ready();
-                for (int m0 = 0; m0 < count; m0 += kTileM)
-                    int8_product(slab.data(), ws.data(), w.group / kBlock, q.data() + size_t(m0) * cols,
-                                 s.data() + size_t(m0) * blocks, cols, std::min(kTileM, count - m0),
-                                 y + int64_t(i0 + m0) * ldy + (r - r0), ldy);
+    expanded.resize(int4 ? size_t(blocks) * kBTileWords : 0);
+    TileScope tiles(kInt8Tiles);
+    for (int i0 = 0; i0 < n; i0 += kTokenChunk) {
+        const int count = std::min(kTokenChunk, n - i0);
+        gather_int8(x, i0, count, round_up(count, kTileM), q.data(), s.data());
+        for (int r = r0; r < r1; r += kTileN) {
+            const uint32_t* slab = reinterpret_cast<const uint32_t*>(int_block_at(w, r, 0));
+            if (int4) {
+                for (int b = 0; b < blocks; ++b)
+                    expand_int4_block(w, r, b, reinterpret_cast<uint8_t*>(expanded.data() + size_t(b) * kBTileWords));
+                slab = expanded.data();
             }
+            slab_scales(w, r, ws.data());
+            operands_ready();
+            for (int m0 = 0; m0 < count; m0 += kTileM)
+                int8_product(slab, ws.data(), w.group / kBlock, q.data() + size_t(m0) * cols,
+                             s.data() + size_t(m0) * blocks, cols, std::min(kTileM, count - m0),
+                             y + int64_t(i0 + m0) * ldy + (r - r0), ldy);
         }
     }
-    if (slab_end < r1) matmul_int_simd(w, slab_end, r1, x, n, y + (slab_end - r0), ldy);
 }
 
 // ---------------------------------------------------------------- bf16

@@ -39,7 +39,7 @@ void matmul_int(const Matrix& w, int r0, int r1, const Activations& x, int n, fl
     const int blocks = w.cols / kBlock, per_group = w.group / kBlock;
     int8_t wq[kBlock];
     for (int r = r0; r < r1; ++r) {
-        const uint16_t* scales = w.scales + int64_t(r) * (w.cols / w.group);
+        auto scale = [&](int b) { return fp16_to_float(*int_scale_at(w, r, b / per_group)); };
         for (int i = 0; i < n; ++i) {
             const int8_t* xq = x.q + x.row(i) * x.cols;
             const float* xs = x.s + x.row(i) * blocks;
@@ -48,7 +48,7 @@ void matmul_int(const Matrix& w, int r0, int r1, const Activations& x, int n, fl
                 unpack(r, b, wq);
                 int32_t dot = 0;
                 for (int j = 0; j < kBlock; ++j) dot += int32_t(wq[j]) * xq[b * kBlock + j];
-                acc += float(dot) * (xs[b] * fp16_to_float(scales[b / per_group]));
+                acc += float(dot) * (xs[b] * scale(b));
             }
             y[int64_t(i) * ldy + (r - r0)] = acc;
         }
@@ -57,17 +57,15 @@ void matmul_int(const Matrix& w, int r0, int r1, const Activations& x, int n, fl
 
 void matmul_int8(const Matrix& w, int r0, int r1, const Activations& x, int n, float* y, int ldy) {
     matmul_int(w, r0, r1, x, n, y, ldy, [&](int r, int b, int8_t* out) {
-        const int8_t* src = reinterpret_cast<const int8_t*>(block_at(w, r, b));
-        std::copy(src, src + kBlock, out);
+        for (int j = 0; j < kBlock; ++j) out[j] = int8_t(*int_byte_at(w, r, b * kBlock + j));
     });
 }
 
 void matmul_int4(const Matrix& w, int r0, int r1, const Activations& x, int n, float* y, int ldy) {
     matmul_int(w, r0, r1, x, n, y, ldy, [&](int r, int b, int8_t* out) {
-        const uint8_t* src = block_at(w, r, b / 2) + (b % 2) * (kBlock / 2);
-        for (int j = 0; j < kBlock / 2; ++j) {
-            out[j] = kInt4Levels[src[j] & 0x0f];
-            out[j + kBlock / 2] = kInt4Levels[src[j] >> 4];
+        for (int j = 0; j < kBlock; ++j) {
+            const uint8_t byte = *int_byte_at(w, r, b * kBlock + j);
+            out[j] = kInt4Levels[j % 8 < 4 ? byte & 0x0f : byte >> 4];
         }
     });
 }

@@ -5,10 +5,11 @@
 //   + AVX512_VNNI         vpdpbusd for the int8 dot products;
 //   + AVX512_BF16         vdpbf16ps for bf16 weights, against activations split into two bf16 parts.
 // Everything lives in an anonymous namespace: each variant's object has its own copy.
-// int8 uses the sign trick: |x| (unsigned) times sign(w, x) (signed) through maddubs (which cannot
-// saturate because |x|, |w| <= 127) or vpdpbusd (which does not saturate). int4 looks its levels up
-// offset by 128 (unsigned) against 7-bit x and subtracts 128 sum(x) (int4_dot). Every path gives
-// exact int32 sums of the products, so the variants agree bit for bit before the float scaling.
+// int8 uses the sign trick: |a| (unsigned) times sign(b, a) (signed) through maddubs (which cannot
+// saturate because |a|, |b| <= 127) or vpdpbusd (which does not saturate). int4 looks its levels up
+// offset by 128 (unsigned) against 7-bit x and subtracts 128 sum(x) (int4_step). Every path gives
+// exact int32 sums of a 32-column block's products, so the variants agree bit for bit before the
+// float scaling.
 #pragma once
 #include <immintrin.h>
 
@@ -161,300 +162,197 @@ void matmul_bf16(const Matrix& w, int r0, int r1, const Activations& x, int n, f
     }
 }
 
-struct Int8Block {
-    static constexpr int kBytes = kBlock;
-    static __m256i load(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
-};
+// ---------------------------------------------------------------- int8 and int4
+// A tile (format.h) is 16 rows; each 32-byte load holds 8 of them (a half), 4 bytes a row, so a
+// vector lane keeps one row's sum: a step's int32 products go straight into the lane, and a 32-column
+// block's sums are scaled into fp32 once (no horizontal sums). A token's columns of a step are one
+// 4-byte broadcast. A token's arithmetic does not depend on how many tokens share the weight loads,
+// so it gets the same bits decoded alone or in a prefill batch (batch invariance).
+constexpr int kHalves = kIntTileRows / 8;
+constexpr int kInt4Tokens = 2;  // tokens sharing a tile's unpacking (more spill on AVX2's 16 registers)
 
-// One 32-byte int4 block (64 columns) -> two registers of 32 levels from `table` (16 bytes in each
-// 128-bit lane): `lo` holds columns 0-15 and 32-47, `hi` columns 16-31 and 48-63 (each 128-bit lane
-// is one 32-column half).
-inline void load_int4(const uint8_t* p, __m256i table, __m256i& lo, __m256i& hi) {
-    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-    const __m256i mask = _mm256_set1_epi8(0x0f);
-    lo = _mm256_shuffle_epi8(table, _mm256_and_si256(raw, mask));
-    hi = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask));
-}
+inline __m256i broadcast4(const void* p) { return _mm256_set1_epi32(*static_cast<const int32_t*>(p)); }
 
 // kInt4Levels as signed bytes, in both lanes; xor 0x80 gives them offset by 128 (unsigned).
 inline __m256i int4_levels() {
     return _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kInt4Levels)));
 }
 
-constexpr int kSpan = 64;  // blocks whose combined scales are prepared at once (2048 columns)
-constexpr int kScaleStride = kSpan + 8;  // padded: the int4 tile reads 8 scales from any block
-
-// Walks the fp16 group scales ws of one row over blocks b0 + j, j < nb, a group at a time (no
-// division per block): put8(j, v) takes 8 blocks' fp32 scales at once where a group is one block,
-// put(j, s) one block's otherwise.
-template <typename Put8, typename Put>
-inline void for_block_scales(const uint16_t* ws, int per_group, int b0, int nb, Put8 put8, Put put) {
-    int j = 0;
-    if (per_group == 1)
-        for (; j + 8 <= nb; j += 8) put8(j, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ws + b0 + j))));
-    for (int g = (b0 + j) / per_group; j < nb; ++g)
-        for (const float wg = _cvtsh_ss(ws[g]); j < std::min(nb, (g + 1) * per_group - b0); ++j) put(j, wg);
-}
-
-// scale[i][k][j] = wk[j] times the x scale of token i's block b0 + j, j < nb.
-template <int N>
-inline void scale_products(const float* wk, int k, int b0, int nb, const float* const* xs,
-                           float (*scale)[kTileRows][kScaleStride]) {
-    int j = 0;
-    for (; j + 8 <= nb; j += 8) {
-        const __m256 wv = _mm256_loadu_ps(wk + j);
-        for (int i = 0; i < N; ++i) _mm256_storeu_ps(scale[i][k] + j, _mm256_mul_ps(wv, _mm256_loadu_ps(xs[i] + b0 + j)));
-    }
-    for (; j < nb; ++j)
-        for (int i = 0; i < N; ++i) scale[i][k][j] = wk[j] * xs[i][b0 + j];
-}
-
-// Where a tile's weight scales come from. Both give combined<N>(r, b0, nb, xs, scale):
-// scale[i][k][j] = x scale of token i's block b0 + j times the weight scale of that block in row r + k.
-// HalfScales converts the fp16 scales at each use (decode: a tile meets one or two tokens);
-// TileScales converts a tile's scales once (load) and shares them across its many tokens (prefill).
-struct HalfScales {
-    const uint16_t* data;
-    int groups;     // scale groups per row
-    int per_group;  // blocks per group
-    explicit HalfScales(const Matrix& w) : data(w.scales), groups(w.cols / w.group), per_group(w.group / kBlock) {}
-    const uint16_t* row(int r) const { return data + int64_t(r) * groups; }
-    void load(int) {}
-
-    template <int N>
-    void combined(int r, int b0, int nb, const float* const* xs, float (*scale)[kTileRows][kScaleStride]) const {
-        for (int k = 0; k < kTileRows; ++k)
-            for_block_scales(
-                row(r + k), per_group, b0, nb,
-                [&](int j, __m256 wv) {
-                    for (int i = 0; i < N; ++i)
-                        _mm256_storeu_ps(scale[i][k] + j, _mm256_mul_ps(wv, _mm256_loadu_ps(xs[i] + b0 + j)));
-                },
-                [&](int j, float wg) {
-                    for (int i = 0; i < N; ++i) scale[i][k][j] = wg * xs[i][b0 + j];
-                });
-    }
-};
-
-struct TileScales {
-    HalfScales half;
-    int blocks;
-    std::vector<float> f;  // [kTileRows][blocks]: the current tile's scales, one per 32-column block
-    explicit TileScales(const Matrix& w) : half(w), blocks(w.cols / kBlock), f(size_t(kTileRows) * blocks) {}
-
-    void load(int r) {
-        for (int k = 0; k < kTileRows; ++k) {
-            float* out = f.data() + k * blocks;
-            for_block_scales(
-                half.row(r + k), half.per_group, 0, blocks, [&](int j, __m256 wv) { _mm256_storeu_ps(out + j, wv); },
-                [&](int j, float wg) { out[j] = wg; });
-        }
-    }
-
-    template <int N>
-    void combined(int, int b0, int nb, const float* const* xs, float (*scale)[kTileRows][kScaleStride]) const {
-        for (int k = 0; k < kTileRows; ++k) scale_products<N>(f.data() + k * blocks + b0, k, b0, nb, xs, scale);
-    }
-};
-
-constexpr int kTileScaleTokens = 4;  // from this many tokens a tile's scales are converted once
-
-// One 4-row tile of int8/int4 weights against N quantized tokens (N <= kTokensPerLoad; the tokens
-// share each weight load, for prefill): y[i * ldy + k] = dot(row r + k, token i).
-template <typename Block, int N, typename Scales>
-void int_tile(const Matrix& w, const Scales& ws, int r, const int8_t* const* xq, const float* const* xs,
-              float* y, int ldy) {
-    const int blocks = w.cols / kBlock;
-    const uint8_t* tile = block_at(w, r, 0);
-    float total[N][kTileRows] = {};
-    alignas(32) float scale[N][kTileRows][kScaleStride];
-    for (int b0 = 0; b0 < blocks; b0 += kSpan) {
-        const int nb = std::min(kSpan, blocks - b0);
-        ws.template combined<N>(r, b0, nb, xs, scale);
-        __m256 acc[N][kTileRows];
-        for (int i = 0; i < N; ++i)
-            for (int k = 0; k < kTileRows; ++k) acc[i][k] = _mm256_setzero_ps();
-        for (int j = 0; j < nb; ++j, tile += kTileRows * Block::kBytes) {
-            for (int line = 0; line < kTileRows * Block::kBytes; line += 64)
-                _mm_prefetch(reinterpret_cast<const char*>(tile) + kPrefetch + line, _MM_HINT_T0);
-            __m256i xv[N], ax[N];
-            for (int i = 0; i < N; ++i) {
-                xv[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[i] + (b0 + j) * kBlock));
-                ax[i] = _mm256_sign_epi8(xv[i], xv[i]);
-            }
-            for (int k = 0; k < kTileRows; ++k) {
-                const __m256i wv = Block::load(tile + k * Block::kBytes);
-                for (int i = 0; i < N; ++i) {
-                    const __m256i dot = dot_u8s8(_mm256_setzero_si256(), ax[i], _mm256_sign_epi8(wv, xv[i]));
-                    acc[i][k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_broadcast_ss(&scale[i][k][j]), acc[i][k]);
-                }
-            }
-        }
-        for (int i = 0; i < N; ++i)  // per span, so no accumulator lives across a call
-            for (int k = 0; k < kTileRows; ++k) total[i][k] += hsum(acc[i][k]);
-    }
-    for (int i = 0; i < N; ++i)
-        for (int k = 0; k < kTileRows; ++k) y[int64_t(i) * ldy + k] = total[i][k];
-}
-
-// The quantized values and block scales of tokens i .. i + N - 1.
+// The quantized values, block scales and (int4) corrections of tokens i .. i + N - 1.
 template <int N>
 struct TokenRows {
     const int8_t* q[N];
     const float* s[N];
+    const int32_t* c[N];
 
     TokenRows(const Activations& x, int i) {
         for (int t = 0; t < N; ++t) {
             q[t] = x.q + x.row(i + t) * x.cols;
             s[t] = x.s + x.row(i + t) * (x.cols / kBlock);
+            c[t] = x.c ? x.c + x.row(i + t) * (x.cols / 8) : nullptr;
         }
     }
 };
 
-// Tokens i .. i + N - 1 against the 4-row tile at row r.
-template <typename Block, int N, typename Scales>
-void int_tokens(const Matrix& w, const Scales& ws, int r, const Activations& x, int i, float* y, int ldy) {
-    const TokenRows<N> t(x, i);
-    int_tile<Block, N>(w, ws, r, t.q, t.s, y + int64_t(i) * ldy, ldy);
-}
-
-template <typename Block, typename Scales>
-void int_rows(const Matrix& w, const Scales& ws, int r, const Activations& x, int n, float* y, int ldy) {
-    int i = 0;
-    for (; i + kTokensPerLoad <= n; i += kTokensPerLoad) int_tokens<Block, kTokensPerLoad>(w, ws, r, x, i, y, ldy);
-    for (; i + 2 <= n; i += 2) int_tokens<Block, 2>(w, ws, r, x, i, y, ldy);
-    if (i < n) int_tokens<Block, 1>(w, ws, r, x, i, y, ldy);
-}
-
-template <typename Block, typename Scales>
-void int_matrix(const Matrix& w, int r0, int r1, const Activations& x, int n, float* y, int ldy) {
-    Scales ws(w);
-    for (int r = r0; r < r1; r += kTileRows) {
-        ws.load(r);
-        int_rows<Block>(w, ws, r, x, n, y + (r - r0), ldy);
+// acc[i][h] += dot[i][h] * (weight scales of the block's rows * token i's x scale), for the block b
+// whose scales (fp16, 16 rows) are at ws.
+template <int N>
+inline void scale_block(const uint16_t* ws, const float* const* xs, int b, const __m256i (&dot)[N][kHalves],
+                        __m256 (&acc)[N][kHalves]) {
+    __m256 wsh[kHalves];
+    for (int h = 0; h < kHalves; ++h) wsh[h] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ws + 8 * h)));
+    for (int i = 0; i < N; ++i) {
+        const __m256 x_scale = _mm256_broadcast_ss(xs[i] + b);
+        for (int h = 0; h < kHalves; ++h)
+            acc[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[i][h]), _mm256_mul_ps(wsh[h], x_scale), acc[i][h]);
     }
 }
 
-template <typename Block>
-void matmul_int(const Matrix& w, int r0, int r1, const Activations& x, int n, float* y, int ldy) {
-    if (n >= kTileScaleTokens) int_matrix<Block, TileScales>(w, r0, r1, x, n, y, ldy);
-    else int_matrix<Block, HalfScales>(w, r0, r1, x, n, y, ldy);
+// One block's weight scales after another: a group of G columns spans G / 32 blocks.
+struct ScaleWalk {
+    const uint16_t* at;
+    int per_group, left;
+    ScaleWalk(const Matrix& w, int r) : at(int_scale_at(w, r, 0)), per_group(w.group / kBlock), left(per_group) {}
+    void next() {
+        if (--left == 0) at += kIntTileRows, left = per_group;
+    }
+};
+
+// int8, rows r .. r + 15 against N tokens: y[i * ldy + k] = dot(row r + k, token i). The sign trick:
+// |a| (unsigned) times sign(b, a) (signed) through maddubs, which cannot saturate since |a|, |b| <=
+// 127; one token takes a = x (its broadcast), several share a = w (made unsigned once per load).
+template <int N>
+void int8_tile(const Matrix& w, int r, const TokenRows<N>& t, float* y, int ldy) {
+    const int blocks = w.cols / kBlock;
+    const uint8_t* p = int_block_at(w, r, 0);
+    ScaleWalk ws(w, r);
+    __m256 acc[N][kHalves];
+    for (auto& row : acc)
+        for (auto& a : row) a = _mm256_setzero_ps();
+    for (int b = 0; b < blocks; ++b, ws.next()) {
+        for (int line = 0; line < int_block_bytes(Format::INT8); line += 64)
+            _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetch + line, _MM_HINT_T0);
+        __m256i dot[N][kHalves];
+        for (auto& row : dot)
+            for (auto& d : row) d = _mm256_setzero_si256();
+        for (int step = 0; step < kBlock / 4; ++step, p += kHalves * 32) {
+            __m256i wv[kHalves], aw[kHalves];
+            for (int h = 0; h < kHalves; ++h) {
+                wv[h] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * h));
+                if (N > 1) aw[h] = _mm256_abs_epi8(wv[h]);
+            }
+            for (int i = 0; i < N; ++i) {
+                const __m256i xb = broadcast4(t.q[i] + b * kBlock + 4 * step);
+                const __m256i ax = _mm256_abs_epi8(xb);
+                for (int h = 0; h < kHalves; ++h)
+                    dot[i][h] = N > 1 ? dot_u8s8(dot[i][h], aw[h], _mm256_sign_epi8(xb, wv[h]))
+                                      : dot_u8s8(dot[i][h], ax, _mm256_sign_epi8(wv[h], xb));
+            }
+        }
+        scale_block<N>(ws.at, t.s, b, dot, acc);
+    }
+    for (int i = 0; i < N; ++i)
+        for (int h = 0; h < kHalves; ++h) _mm256_storeu_ps(y + int64_t(i) * ldy + 8 * h, acc[i][h]);
 }
 
-// 128 * (sum of the 4 activations behind each int32 lane of an int4 dot): the correction that
-// turns sums against the offset levels (w + 128) back into sums against w. AVX2 keeps it as int16
-// pair sums, VNNI as its int32 negation (the dot's starting value).
-inline __m256i int4_correction(__m256i xlo, __m256i xhi) {
-    const __m256i ones = _mm256_set1_epi8(1);
+// In each int32 lane (a row), the exact sum of the 8 products of a step: levels (offset by 128,
+// unsigned: lo columns 0-3, hi 4-7) times 7-bit x (xlo, xhi: the token's 4-byte broadcasts), less
+// the correction (int4_corrections). AVX2: an int16 lane u0 x0 + u1 x1 <= 2 * 241 * 63 cannot
+// saturate; the sum of both halves may wrap before the correction comes off, but the result, 4
+// products of |w| <= 127 and |x| <= 63, fits int16, so the wrapped arithmetic is exact.
+inline __m256i int4_step(__m256i lo, __m256i hi, __m256i xlo, __m256i xhi, __m256i correction) {
 #if defined(TANDEM_SIMD_VNNI)
-    const __m256i sum = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), ones, xlo), ones, xhi);
-    return _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(sum, 7));
-#else
-    return _mm256_slli_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(ones, xlo), _mm256_maddubs_epi16(ones, xhi)), 7);
-#endif
-}
-
-// In each int32 lane, the exact sum of the 8 products of levels w and activations x behind it,
-// from the offset levels u = w + 128 (unsigned, so maddubs/vpdpbusd take them as they are) and
-// x in [-63, 63]: sum(u x) - 128 sum(x). AVX2: an int16 lane u0 x0 + u1 x1 <= 2 * 241 * 63 cannot
-// saturate; the int16 sums of the two halves and the correction may wrap on the way, but their
-// result, 4 products of |w| <= 127 and |x| <= 63, fits int16, so the wrapped arithmetic is exact.
-inline __m256i int4_dot(__m256i lo, __m256i hi, __m256i xlo, __m256i xhi, __m256i correction) {
-#if defined(TANDEM_SIMD_VNNI)
-    return _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(correction, lo, xlo), hi, xhi);
+    const __m256i sum = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), lo, xlo), hi, xhi);
+    return _mm256_sub_epi32(sum, _mm256_madd_epi16(correction, _mm256_set1_epi16(1)));
 #else
     const __m256i sum = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xlo), _mm256_maddubs_epi16(hi, xhi));
     return _mm256_madd_epi16(_mm256_sub_epi16(sum, correction), _mm256_set1_epi16(1));
 #endif
 }
 
-// One 4-row tile of int4 weights against N quantized tokens (N <= kTokensPerLoad), their
-// activations 7-bit (activation_levels). Each 32-byte load gives two 32-column halves, unpacked
-// once for all N tokens; x is rearranged to match, so both halves reduce into one register whose
-// low lanes belong to the first half-block and high lanes to the second (scaled by the combined
-// scales of both blocks). A token's arithmetic does not depend on N or on its batch-mates, so a token
-// gets the same result decoded alone or in a prefill batch (batch invariance).
-template <int N, typename Scales>
-void int4_tile(const Matrix& w, const Scales& ws, int r, const int8_t* const* xq, const float* const* xs,
-               float* y, int ldy) {
+// One step's 32 bytes of int4 (8 rows x 8 columns) -> the levels of columns 0-3 (lo) and 4-7 (hi)
+// of each row, looked up in `table` (kInt4Levels, possibly offset).
+inline void unpack_int4(const uint8_t* p, __m256i table, __m256i& lo, __m256i& hi) {
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    const __m256i mask = _mm256_set1_epi8(0x0f);
+    lo = _mm256_shuffle_epi8(table, _mm256_and_si256(raw, mask));
+    hi = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask));
+}
+
+// int4, rows r .. r + 15 against N tokens (activations 7-bit, activation_levels), each step
+// unpacked once for all of them.
+template <int N>
+void int4_tile(const Matrix& w, int r, const TokenRows<N>& t, float* y, int ldy) {
     const int blocks = w.cols / kBlock;
-    const uint8_t* tile = block_at(w, r, 0);
+    const uint8_t* p = int_block_at(w, r, 0);
     const __m256i table = _mm256_xor_si256(int4_levels(), _mm256_set1_epi8(char(0x80)));
-    float total[N][kTileRows] = {};
-    alignas(32) float scale[N][kTileRows][kScaleStride];
-    for (int b0 = 0; b0 < blocks; b0 += kSpan) {
-        const int nb = std::min(kSpan, blocks - b0);
-        ws.template combined<N>(r, b0, nb, xs, scale);
-        __m256 acc[N][kTileRows];
-        for (int i = 0; i < N; ++i)
-            for (int k = 0; k < kTileRows; ++k) acc[i][k] = _mm256_setzero_ps();
-        for (int j = 0; j < nb; j += 2, tile += kTileRows * kBlockBytes) {
-            _mm_prefetch(reinterpret_cast<const char*>(tile) + kPrefetch, _MM_HINT_T0);
-            _mm_prefetch(reinterpret_cast<const char*>(tile) + kPrefetch + 64, _MM_HINT_T0);
-            __m256i xlo[N], xhi[N], correction[N];
+    ScaleWalk ws(w, r);
+    __m256 acc[N][kHalves];
+    for (auto& row : acc)
+        for (auto& a : row) a = _mm256_setzero_ps();
+    for (int b = 0; b < blocks; ++b, ws.next()) {
+        for (int line = 0; line < int_block_bytes(Format::INT4); line += 64)
+            _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetch + line, _MM_HINT_T0);
+        __m256i dot[N][kHalves];
+        for (auto& row : dot)
+            for (auto& d : row) d = _mm256_setzero_si256();
+        for (int step = 0; step < kBlock / 8; ++step, p += kHalves * 32) {
+            __m256i lo[kHalves], hi[kHalves];
+            for (int h = 0; h < kHalves; ++h) unpack_int4(p + 32 * h, table, lo[h], hi[h]);
+            const int col = b * kBlock + 8 * step;
             for (int i = 0; i < N; ++i) {
-                const __m256i xa = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[i] + (b0 + j) * kBlock));
-                const __m256i xb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[i] + (b0 + j + 1) * kBlock));
-                xlo[i] = _mm256_permute2x128_si256(xa, xb, 0x20);
-                xhi[i] = _mm256_permute2x128_si256(xa, xb, 0x31);
-                correction[i] = int4_correction(xlo[i], xhi[i]);
-            }
-            for (int k = 0; k < kTileRows; ++k) {
-                __m256i lo, hi;
-                load_int4(tile + k * kBlockBytes, table, lo, hi);
-                for (int i = 0; i < N; ++i) {
-                    // the scales of blocks j (low lanes) and j + 1: two broadcast loads and a blend
-                    // keep the shuffle unit, which the unpacking and the dot products saturate, free
-                    const __m256 sc = _mm256_blend_ps(_mm256_broadcast_ss(&scale[i][k][j]),
-                                                      _mm256_broadcast_ss(&scale[i][k][j + 1]), 0xf0);
-                    const __m256i dot = int4_dot(lo, hi, xlo[i], xhi[i], correction[i]);
-                    acc[i][k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), sc, acc[i][k]);
-                }
+                const __m256i xlo = broadcast4(t.q[i] + col), xhi = broadcast4(t.q[i] + col + 4);
+                const __m256i correction = _mm256_set1_epi32(t.c[i][col / 8]);
+                for (int h = 0; h < kHalves; ++h)
+                    dot[i][h] = _mm256_add_epi32(dot[i][h], int4_step(lo[h], hi[h], xlo, xhi, correction));
             }
         }
-        for (int i = 0; i < N; ++i)  // per span, so no accumulator lives across a call
-            for (int k = 0; k < kTileRows; ++k) total[i][k] += hsum(acc[i][k]);
+        scale_block<N>(ws.at, t.s, b, dot, acc);
     }
     for (int i = 0; i < N; ++i)
-        for (int k = 0; k < kTileRows; ++k) y[int64_t(i) * ldy + k] = total[i][k];
+        for (int h = 0; h < kHalves; ++h) _mm256_storeu_ps(y + int64_t(i) * ldy + 8 * h, acc[i][h]);
 }
 
-// Tokens i .. i + N - 1 against the int4 tile at row r.
-template <int N, typename Scales>
-void int4_tokens(const Matrix& w, const Scales& ws, int r, const Activations& x, int i, float* y, int ldy) {
-    const TokenRows<N> t(x, i);
-    int4_tile<N>(w, ws, r, t.q, t.s, y + int64_t(i) * ldy, ldy);
+template <int N>
+void int8_tokens(const Matrix& w, int r, const Activations& x, int i, float* y, int ldy) {
+    int8_tile<N>(w, r, TokenRows<N>(x, i), y + int64_t(i) * ldy, ldy);
 }
 
-constexpr int kInt4Tokens = 2;  // tokens sharing one unpacked tile (more spill on AVX2's 16 registers)
+template <int N>
+void int4_tokens(const Matrix& w, int r, const Activations& x, int i, float* y, int ldy) {
+    int4_tile<N>(w, r, TokenRows<N>(x, i), y + int64_t(i) * ldy, ldy);
+}
 
-template <typename Scales>
-void int4_matrix(const Matrix& w, int r0, int r1, const Activations& x, int n, float* y, int ldy) {
-    Scales ws(w);
-    for (int r = r0; r < r1; r += kTileRows) {
-        ws.load(r);
+// r0 and r1 are multiples of the 16-row tile.
+void matmul_int8(const Matrix& w, int r0, int r1, const Activations& x, int n, float* y, int ldy) {
+    for (int r = r0; r < r1; r += kIntTileRows) {
         float* yr = y + (r - r0);
         int i = 0;
-        for (; i + kInt4Tokens <= n; i += kInt4Tokens) int4_tokens<kInt4Tokens>(w, ws, r, x, i, yr, ldy);
-        if (i < n) int4_tokens<1>(w, ws, r, x, i, yr, ldy);
+        for (; i + kTokensPerLoad <= n; i += kTokensPerLoad) int8_tokens<kTokensPerLoad>(w, r, x, i, yr, ldy);
+        for (; i + 2 <= n; i += 2) int8_tokens<2>(w, r, x, i, yr, ldy);
+        if (i < n) int8_tokens<1>(w, r, x, i, yr, ldy);
     }
 }
 
 void matmul_int4(const Matrix& w, int r0, int r1, const Activations& x, int n, float* y, int ldy) {
-    if (n >= kTileScaleTokens) int4_matrix<TileScales>(w, r0, r1, x, n, y, ldy);
-    else int4_matrix<HalfScales>(w, r0, r1, x, n, y, ldy);
+    for (int r = r0; r < r1; r += kIntTileRows) {
+        float* yr = y + (r - r0);
+        int i = 0;
+        for (; i + kInt4Tokens <= n; i += kInt4Tokens) int4_tokens<kInt4Tokens>(w, r, x, i, yr, ldy);
+        if (i < n) int4_tokens<1>(w, r, x, i, yr, ldy);
+    }
 }
 
-// The 4 rows of an int4 tile -> the same rows as int8 blocks, in the int8 packed layout (AMX
-// repacks from this).
-[[maybe_unused]] void expand_int4_tile(const uint8_t* src, int cols, uint8_t* dst) {
-    for (int b = 0; b < cols / (2 * kBlock); ++b)
-        for (int k = 0; k < kTileRows; ++k, src += kBlockBytes) {
+// Block b of the int4 tile at row r -> the same block as int8, format.h's int8 layout (AMX's B
+// operand): each step's low nibbles become one int8 step, its high nibbles the next.
+[[maybe_unused]] void expand_int4_block(const Matrix& w, int r, int b, uint8_t* dst) {
+    const uint8_t* p = int_block_at(w, r, b);
+    for (int step = 0; step < kBlock / 8; ++step, p += kHalves * 32)
+        for (int h = 0; h < kHalves; ++h) {
             __m256i lo, hi;
-            load_int4(src, int4_levels(), lo, hi);
-            auto* out = reinterpret_cast<__m256i*>(dst);
-            _mm256_storeu_si256(out + (2 * b) * kTileRows + k, _mm256_permute2x128_si256(lo, hi, 0x20));
-            _mm256_storeu_si256(out + (2 * b + 1) * kTileRows + k, _mm256_permute2x128_si256(lo, hi, 0x31));
+            unpack_int4(p + 32 * h, int4_levels(), lo, hi);
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + (2 * step) * 64 + 32 * h), lo);
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + (2 * step + 1) * 64 + 32 * h), hi);
         }
 }
 
@@ -487,7 +385,7 @@ void silu_mul(const float* gate_up, int intermediate, float* h) {
 
 // The kernel table of the including variant.
 KernelTable simd_table(const char* name) {
-    return {name, {matmul_bf16, matmul_int<Int8Block>, matmul_int4}, quantize, arrange, silu_mul};
+    return {name, {matmul_bf16, matmul_int8, matmul_int4}, quantize, arrange, silu_mul};
 }
 
 }  // namespace

@@ -218,11 +218,11 @@ struct ScaleWalk {
     }
 };
 
-// int8, rows r .. r + 15 against N tokens: y[i * ldy + k] = dot(row r + k, token i). The sign trick:
-// |a| (unsigned) times sign(b, a) (signed) through maddubs, which cannot saturate since |a|, |b| <=
-// 127; one token takes a = x (its broadcast), several share a = w (made unsigned once per load).
-template <int N>
-void int8_tile(const Matrix& w, int r, const TokenRows<N>& t, float* y, int ldy) {
+// Rows r .. r + 15 (one tile, format F) against N tokens: y[i * ldy + k] = dot(row r + k, token i).
+// step(p, b, s, dot) adds step s of block b (its bytes at p) to the int32 sums dot[i][h]; each
+// block's sums are then scaled into fp32.
+template <int N, Format F, typename Step>
+void int_tile(const Matrix& w, int r, const TokenRows<N>& t, float* y, int ldy, Step step) {
     const int blocks = w.cols / kBlock;
     const uint8_t* p = int_block_at(w, r, 0);
     ScaleWalk ws(w, r);
@@ -230,29 +230,37 @@ void int8_tile(const Matrix& w, int r, const TokenRows<N>& t, float* y, int ldy)
     for (auto& row : acc)
         for (auto& a : row) a = _mm256_setzero_ps();
     for (int b = 0; b < blocks; ++b, ws.next()) {
-        for (int line = 0; line < int_block_bytes(Format::INT8); line += 64)
+        for (int line = 0; line < int_block_bytes(F); line += 64)
             _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetch + line, _MM_HINT_T0);
         __m256i dot[N][kHalves];
         for (auto& row : dot)
             for (auto& d : row) d = _mm256_setzero_si256();
-        for (int step = 0; step < kBlock / 4; ++step, p += kHalves * 32) {
-            __m256i wv[kHalves], aw[kHalves];
-            for (int h = 0; h < kHalves; ++h) {
-                wv[h] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * h));
-                if (N > 1) aw[h] = _mm256_abs_epi8(wv[h]);
-            }
-            for (int i = 0; i < N; ++i) {
-                const __m256i xb = broadcast4(t.q[i] + b * kBlock + 4 * step);
-                const __m256i ax = _mm256_abs_epi8(xb);
-                for (int h = 0; h < kHalves; ++h)
-                    dot[i][h] = N > 1 ? dot_u8s8(dot[i][h], aw[h], _mm256_sign_epi8(xb, wv[h]))
-                                      : dot_u8s8(dot[i][h], ax, _mm256_sign_epi8(wv[h], xb));
-            }
-        }
+        for (int s = 0; s < kBlock / int_step_cols(F); ++s, p += kHalves * 32) step(p, b, s, dot);
         scale_block<N>(ws.at, t.s, b, dot, acc);
     }
     for (int i = 0; i < N; ++i)
         for (int h = 0; h < kHalves; ++h) _mm256_storeu_ps(y + int64_t(i) * ldy + 8 * h, acc[i][h]);
+}
+
+// int8 through the sign trick: |a| (unsigned) times sign(b, a) (signed) through maddubs, which
+// cannot saturate since |a|, |b| <= 127; one token takes a = x (its broadcast), several share a = w
+// (made unsigned once per load).
+template <int N>
+void int8_tile(const Matrix& w, int r, const TokenRows<N>& t, float* y, int ldy) {
+    int_tile<N, Format::INT8>(w, r, t, y, ldy, [&](const uint8_t* p, int b, int s, __m256i (&dot)[N][kHalves]) {
+        __m256i wv[kHalves], aw[kHalves];
+        for (int h = 0; h < kHalves; ++h) {
+            wv[h] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * h));
+            if (N > 1) aw[h] = _mm256_abs_epi8(wv[h]);
+        }
+        for (int i = 0; i < N; ++i) {
+            const __m256i xb = broadcast4(t.q[i] + b * kBlock + 4 * s);
+            const __m256i ax = _mm256_abs_epi8(xb);
+            for (int h = 0; h < kHalves; ++h)
+                dot[i][h] = N > 1 ? dot_u8s8(dot[i][h], aw[h], _mm256_sign_epi8(xb, wv[h]))
+                                  : dot_u8s8(dot[i][h], ax, _mm256_sign_epi8(wv[h], xb));
+        }
+    });
 }
 
 // In each int32 lane (a row), the exact sum of the 8 products of a step: levels (offset by 128,
@@ -279,38 +287,21 @@ inline void unpack_int4(const uint8_t* p, __m256i table, __m256i& lo, __m256i& h
     hi = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask));
 }
 
-// int4, rows r .. r + 15 against N tokens (activations 7-bit, activation_levels), each step
-// unpacked once for all of them.
+// int4 (activations 7-bit, activation_levels): each step unpacked once for all N tokens.
 template <int N>
 void int4_tile(const Matrix& w, int r, const TokenRows<N>& t, float* y, int ldy) {
-    const int blocks = w.cols / kBlock;
-    const uint8_t* p = int_block_at(w, r, 0);
     const __m256i table = _mm256_xor_si256(int4_levels(), _mm256_set1_epi8(char(0x80)));
-    ScaleWalk ws(w, r);
-    __m256 acc[N][kHalves];
-    for (auto& row : acc)
-        for (auto& a : row) a = _mm256_setzero_ps();
-    for (int b = 0; b < blocks; ++b, ws.next()) {
-        for (int line = 0; line < int_block_bytes(Format::INT4); line += 64)
-            _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetch + line, _MM_HINT_T0);
-        __m256i dot[N][kHalves];
-        for (auto& row : dot)
-            for (auto& d : row) d = _mm256_setzero_si256();
-        for (int step = 0; step < kBlock / 8; ++step, p += kHalves * 32) {
-            __m256i lo[kHalves], hi[kHalves];
-            for (int h = 0; h < kHalves; ++h) unpack_int4(p + 32 * h, table, lo[h], hi[h]);
-            const int col = b * kBlock + 8 * step;
-            for (int i = 0; i < N; ++i) {
-                const __m256i xlo = broadcast4(t.q[i] + col), xhi = broadcast4(t.q[i] + col + 4);
-                const __m256i correction = _mm256_set1_epi32(t.c[i][col / 8]);
-                for (int h = 0; h < kHalves; ++h)
-                    dot[i][h] = _mm256_add_epi32(dot[i][h], int4_step(lo[h], hi[h], xlo, xhi, correction));
-            }
+    int_tile<N, Format::INT4>(w, r, t, y, ldy, [&](const uint8_t* p, int b, int s, __m256i (&dot)[N][kHalves]) {
+        __m256i lo[kHalves], hi[kHalves];
+        for (int h = 0; h < kHalves; ++h) unpack_int4(p + 32 * h, table, lo[h], hi[h]);
+        const int col = b * kBlock + 8 * s;
+        for (int i = 0; i < N; ++i) {
+            const __m256i xlo = broadcast4(t.q[i] + col), xhi = broadcast4(t.q[i] + col + 4);
+            const __m256i correction = _mm256_set1_epi32(t.c[i][col / 8]);
+            for (int h = 0; h < kHalves; ++h)
+                dot[i][h] = _mm256_add_epi32(dot[i][h], int4_step(lo[h], hi[h], xlo, xhi, correction));
         }
-        scale_block<N>(ws.at, t.s, b, dot, acc);
-    }
-    for (int i = 0; i < N; ++i)
-        for (int h = 0; h < kHalves; ++h) _mm256_storeu_ps(y + int64_t(i) * ldy + 8 * h, acc[i][h]);
+    });
 }
 
 template <int N>

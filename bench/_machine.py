@@ -67,9 +67,19 @@ def read_bandwidth(reps: int) -> float:
     return a.nbytes / median_seconds(a.sum, reps) / 1e9
 
 
+PROBE_REST_S = 0.05
+
+
 def read_probe() -> float:
-    """A short read-bandwidth sample (two timed sums), taken next to a measurement."""
-    return read_bandwidth(2)
+    """A short read-bandwidth sample (two timed sums), taken next to a measurement; it returns once
+    torch's OpenMP threads have stopped spinning. libgomp's default wait policy keeps them spinning
+    for several milliseconds after a parallel region, and on a 2-core machine they take the cores
+    from whatever runs next: measured here, a qwen3 int4 decode call right after a probe ran 1.8x
+    slower than its steady state and the 7th to 18th calls (the first timed ones) still 5% slower;
+    after a 50 ms rest only the first call differs (the settle calls take it)."""
+    gbps = read_bandwidth(2)
+    time.sleep(PROBE_REST_S)
+    return gbps
 
 
 def matmul_peak(reps: int) -> float:

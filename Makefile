@@ -8,7 +8,7 @@ NATIVE_SOURCES := $(shell find native -name '*.cpp' -o -name '*.h') setup.py
 PROTOS := $(shell find protos -name '*.proto')
 PROTO_STAMP := tandem/.generated
 
-.PHONY: test setup native protos serve clean
+.PHONY: test setup native protos serve clean grpc-cpp
 
 # `make serve`: the whole stack on this host (MODEL=dir, PORT=8000, FORMAT=bf16|int8|int4, DTYPE=float32|bfloat16)
 MODEL ?=
@@ -25,8 +25,18 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[test]'
 	touch $(STAMP)
 
-# Rebuild the kernels in place when their sources change.
-$(NATIVE_STAMP): $(STAMP) $(NATIVE_SOURCES)
+# grpc++ and its code generator, for tandem_grpc (the dense side's inline gRPC client): installed with
+# apt where this runs as root (CI, a fresh box); elsewhere the build leaves tandem_grpc out and the
+# dense side uses grpcio's client.
+GRPC_CPP := pkg-config libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc
+grpc-cpp:
+	@(command -v grpc_cpp_plugin && pkg-config --exists grpc++ protobuf) >/dev/null 2>&1 || \
+	  { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && apt-get update -qq && \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $(GRPC_CPP) >/dev/null; } || \
+	  echo "grpc++ is not installed (needs root and apt-get): building without tandem_grpc"
+
+# Rebuild the kernels (and tandem_grpc) in place when their sources change.
+$(NATIVE_STAMP): $(STAMP) $(NATIVE_SOURCES) protos/tandem/v1/expert.proto | grpc-cpp
 	$(PY) setup.py --quiet build_ext --inplace
 	touch $(NATIVE_STAMP)
 
@@ -46,4 +56,4 @@ test: setup
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 clean:
-	rm -rf $(VENV) .cache build *.egg-info tandem_native*.so tandem
+	rm -rf $(VENV) .cache build *.egg-info tandem_native*.so tandem_grpc*.so tandem

@@ -1,5 +1,9 @@
-"""Builds the native kernels (tandem_native): each ISA variant compiled with only its own flags."""
+"""Builds the native kernels (tandem_native): each ISA variant compiled with only its own flags; and,
+where grpc++ is installed, the inline gRPC client (tandem_grpc)."""
 
+import os
+import shutil
+import subprocess
 from pathlib import Path
 
 from pybind11.setup_helpers import Pybind11Extension
@@ -28,6 +32,8 @@ class BuildVariants(build_ext):
     """Compiles each native/src/<variant>/*.cpp with that variant's flags, then links them in."""
 
     def build_extension(self, ext):
+        if ext.name != "tandem_native":
+            return super().build_extension(ext)
         objects = []
         for variant, flags in VARIANTS.items():
             sources = sorted(str(p) for p in (NATIVE / "src" / variant).glob("*.cpp"))
@@ -50,4 +56,39 @@ ext = Pybind11Extension(
     cxx_std=17,
 )
 
-setup(ext_modules=[ext], cmdclass={"build_ext": BuildVariants})
+
+
+def pkg_config(*args: str) -> list[str]:
+    return subprocess.run(["pkg-config", *args, "grpc++", "protobuf"], check=True, capture_output=True,
+                          text=True).stdout.split()
+
+
+def grpc_extension():
+    """tandem_grpc from native/grpc and the C++ code protoc generates for the expert service; None
+    where grpc++, protoc or its gRPC plugin is missing (`make setup` installs them where it can;
+    dense-side code then uses grpcio's client) or TANDEM_GRPC_CPP=0."""
+    protoc, plugin = shutil.which("protoc"), shutil.which("grpc_cpp_plugin")
+    if os.environ.get("TANDEM_GRPC_CPP") == "0" or not (protoc and plugin and shutil.which("pkg-config")):
+        return None
+    try:
+        cflags, libs = pkg_config("--cflags"), pkg_config("--libs")
+    except subprocess.CalledProcessError:
+        return None
+    out = Path("build") / "grpc_generated"
+    out.mkdir(parents=True, exist_ok=True)
+    proto = Path("protos") / "tandem" / "v1" / "expert.proto"
+    subprocess.run([protoc, "-Iprotos", f"--cpp_out={out}", f"--grpc_out={out}", f"--plugin=protoc-gen-grpc={plugin}",
+                    str(proto)], check=True)
+    generated = [str(out / "tandem" / "v1" / name) for name in ("expert.pb.cc", "expert.grpc.pb.cc")]
+    return Pybind11Extension(
+        "tandem_grpc",
+        [str(NATIVE / "grpc" / "inline_stream.cpp"), *generated],
+        depends=[str(NATIVE / "grpc" / "inline_stream.cpp"), str(proto)],
+        include_dirs=[str(out)],
+        extra_compile_args=COMMON_FLAGS + cflags,
+        extra_link_args=["-pthread", *libs],
+        cxx_std=17,
+    )
+
+
+setup(ext_modules=[e for e in (ext, grpc_extension()) if e is not None], cmdclass={"build_ext": BuildVariants})

@@ -163,10 +163,10 @@ class ServerProcess:
         self.stop()
 
 
-def remote(model_cfg, address: str, transport: str):
+def remote(model_cfg, address: str, transport: str, grpc_client: str = "auto"):
     from services.dense.moe.remote import RemoteConfig, RemoteExperts
 
-    return RemoteExperts(model_cfg, RemoteConfig(addresses=(address,), transport=transport))
+    return RemoteExperts(model_cfg, RemoteConfig(addresses=(address,), transport=transport, grpc_client=grpc_client))
 
 
 # ------------------------------------------------------------------ calls: the per-layer round trip
@@ -269,11 +269,12 @@ def summary(times: np.ndarray) -> dict:
             "mean_us": float(us.mean()), "max_us": float(us.max()), "calls": len(us)}  # fmt: skip
 
 
-PATHS = ("in-process", "shm", "grpc", "grpc-floor")
+PATHS = ("in-process", "shm", "grpc", "grpcio", "grpc-floor")
 PATH_NOTES = {
     "in-process": "NativeExperts.submit/wait, kernel swapped for out[...]=x",
     "shm": "RemoteExperts transport=shm -> echo server child",
-    "grpc": "RemoteExperts transport=grpc (loopback) -> echo server child",
+    "grpc": "RemoteExperts transport=grpc (loopback, grpc++ client where tandem_grpc is built) -> echo server child",
+    "grpcio": "the same on grpcio's client (--grpc-client grpcio)",
     "grpc-floor": "grpcio alone: the same request's bytes echoed by a bytes-only stream (bench/_grpc_echo.py)",
 }
 
@@ -304,6 +305,8 @@ def call_rows(cfg: BenchConfig) -> list[dict]:
                         backend = inprocess_echo([0])
                     elif path == "grpc-floor":
                         backend = GrpcFloor(floor_server.address, 0, x, ids, weights)
+                    elif path == "grpcio":
+                        backend = remote(model_cfg, server.address, "grpc", "grpcio")
                     else:
                         backend = remote(model_cfg, server.address, path)
                     try:
@@ -544,6 +547,7 @@ def print_report(report: dict) -> None:
                "target"], rows, left=4)
         for path, note in PATH_NOTES.items():
             print(f"  {path}: {note}")
+        print(f"  the grpc rows' client here: {report['grpc_client']}")
         print("  gap ms: calls that far apart (the caller busy in between, as the dense side between the layers of a\n"
               "  decode step; the server's doorbell spin runs out); -: back to back\n"
               "  +p50 us: p50 over the in-process row's")
@@ -587,7 +591,10 @@ def main(argv=None) -> None:
     cfg = parse_args(argv)
     torch.set_num_threads(cfg.threads)
     load = _machine.ForeignLoad()
-    report: dict = {"machine": _machine.machine_info(cfg.threads), "quick": cfg.quick}
+    from services.dense.moe.transport import native_grpc
+
+    report: dict = {"machine": _machine.machine_info(cfg.threads), "quick": cfg.quick,
+                    "grpc_client": "native" if native_grpc() else "grpcio"}  # the grpc rows' client (auto)
     progress("checkpoints")
     bench_ckpt.echo_checkpoint(), bench_ckpt.bench_checkpoint()
     if "calls" in cfg.parts:

@@ -18,7 +18,7 @@ from services.common.errors import TandemError
 from services.common.telemetry import TracingConfig
 from services.common.expert_weights import FORMATS, default_threads
 from services.dense.config import EXPERTS, DenseConfig
-from services.dense.moe.remote import TRANSPORTS, RemoteConfig
+from services.dense.moe.remote import GRPC_CLIENTS, TRANSPORTS, RemoteConfig
 from services.dense.runtime import DTYPES, DenseRuntime
 
 
@@ -35,6 +35,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=default_threads(), help="native kernel threads")
     p.add_argument("--expert-servers", help="comma-separated HOST:PORT of expert servers (--experts remote)")
     p.add_argument("--transport", choices=list(TRANSPORTS), default="auto")
+    p.add_argument("--grpc-client", choices=list(GRPC_CLIENTS), default="auto",
+                   help="inline gRPC client: native (grpc++, tandem_grpc), grpcio, or auto (native where built)")
     p.add_argument("--tls-root", type=Path, help="trust root (PEM) for expert servers using TLS")
     p.add_argument("--kv-tokens", type=int, default=0, help="KV cache size in tokens (default: from the fraction)")
     p.add_argument("--kv-memory-fraction", type=float, default=0.2, help="of free device memory for the KV cache")
@@ -50,7 +52,7 @@ def config(argv: list[str]) -> DenseConfig:
     remote = None
     if a.experts == "remote":
         addresses = tuple(x for x in (a.expert_servers or "").split(",") if x)
-        remote = RemoteConfig(addresses, a.transport, tls_root=a.tls_root)
+        remote = RemoteConfig(addresses, a.transport, tls_root=a.tls_root, grpc_client=a.grpc_client)
     return DenseConfig(
         model=a.model, runtime=DenseRuntime(a.dtype, a.device), experts=a.experts, expert_format=a.format,
         threads=a.threads, remote=remote, kv_tokens=a.kv_tokens, kv_memory_fraction=a.kv_memory_fraction,

@@ -16,7 +16,7 @@ from services.dense.generate import stream
 from services.common.expert_weights import FORMATS, default_threads
 from services.dense.loader import load_model, open_checkpoint
 from services.dense.moe.experts import ExpertBackend
-from services.dense.moe.remote import TRANSPORTS, RemoteConfig, RemoteExperts
+from services.dense.moe.remote import GRPC_CLIENTS, TRANSPORTS, RemoteConfig, RemoteExperts
 from services.dense.runtime import DenseRuntime
 from services.dense.sampling import SamplingParams
 from services.dense.tokenizer import Tokenizer
@@ -49,6 +49,8 @@ def parse_args(argv: list[str] | None = None) -> CliConfig:
     p.add_argument("--expert-servers", help="comma-separated HOST:PORT of expert servers (--experts remote)")
     p.add_argument("--transport", choices=list(TRANSPORTS), default="auto",
                    help="remote experts: shm (same host), grpc (inline), or auto")
+    p.add_argument("--grpc-client", choices=list(GRPC_CLIENTS), default="auto",
+                   help="inline gRPC client: native (grpc++, tandem_grpc), grpcio, or auto (native where built)")
     p.add_argument("--tls-root", type=Path, help="trust root (PEM) for expert servers using TLS")
     p.add_argument("--format", choices=list(FORMATS), default="bf16", help="routed-expert format (native)")
     p.add_argument("--threads", type=int, default=default_threads(), help="native kernel threads")
@@ -61,7 +63,7 @@ def parse_args(argv: list[str] | None = None) -> CliConfig:
         remote = None
         if a.experts == "remote":
             addresses = tuple(x for x in (a.expert_servers or "").split(",") if x)
-            remote = RemoteConfig(addresses, a.transport, tls_root=a.tls_root)
+            remote = RemoteConfig(addresses, a.transport, tls_root=a.tls_root, grpc_client=a.grpc_client)
         return CliConfig(a.model, a.prompt, runtime, sampling, a.experts, a.format, a.threads, remote)
     except TandemError as exc:
         p.error(str(exc))

@@ -33,9 +33,9 @@ def native_tokens(path, fmt, prompt_ids):
     return generate(model, prompt_ids, PARAMS, Tokenizer(path).eos_token_ids).tokens
 
 
-def remote_tokens(path, addresses, transport, prompt_ids):
+def remote_tokens(path, addresses, transport, prompt_ids, grpc_client="auto"):
     _, cfg = open_checkpoint(path)
-    remote = RemoteExperts(cfg, RemoteConfig(addresses=tuple(addresses), transport=transport))
+    remote = RemoteExperts(cfg, RemoteConfig(addresses=tuple(addresses), transport=transport, grpc_client=grpc_client))
     try:
         model, _ = load_fp32(path, remote)
         return generate(model, prompt_ids, PARAMS, Tokenizer(path).eos_token_ids).tokens
@@ -58,13 +58,14 @@ def prompt_of(path):
     return Tokenizer(path).encode(PROMPT)
 
 
-@pytest.mark.parametrize("transport", ["shm", "grpc", "auto"])
-def test_one_in_process_server_matches_native(transport):
+@pytest.mark.parametrize("transport, grpc_client", [("shm", "auto"), ("grpc", "auto"), ("grpc", "grpcio"),
+                                                    ("auto", "auto")])
+def test_one_in_process_server_matches_native(transport, grpc_client):
     path = checkpoint("deepseek_v3")
     prompt_ids = prompt_of(path)
     expected = native_tokens(path, "int4", prompt_ids)
     with in_process(path, "int4") as server:
-        assert remote_tokens(path, [f"127.0.0.1:{server.port}"], transport, prompt_ids) == expected
+        assert remote_tokens(path, [f"127.0.0.1:{server.port}"], transport, prompt_ids, grpc_client) == expected
 
 
 def test_bfloat16_dense_path_matches_native_in_bfloat16_over_both_transports():
@@ -80,8 +81,9 @@ def test_bfloat16_dense_path_matches_native_in_bfloat16_over_both_transports():
     native, _ = load_model(path, runtime, NativeExperts(cfg, ckpt, "int8", threads=2))
     expected = generate(native, prompt_ids, PARAMS, eos).tokens
     with in_process(path, "int8") as server:
-        for transport in ("shm", "grpc"):
-            remote = RemoteExperts(cfg, RemoteConfig(addresses=(f"127.0.0.1:{server.port}",), transport=transport))
+        for transport, client in (("shm", "auto"), ("grpc", "auto"), ("grpc", "grpcio")):
+            remote = RemoteExperts(cfg, RemoteConfig(addresses=(f"127.0.0.1:{server.port}",), transport=transport,
+                                                     grpc_client=client))
             model, _ = load_model(path, runtime, remote)
-            assert generate(model, prompt_ids, PARAMS, eos).tokens == expected, transport
+            assert generate(model, prompt_ids, PARAMS, eos).tokens == expected, (transport, client)
             remote.close()

@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from services.common import shm_layout as shm
-from services.common.errors import ExpertBackendError
+from services.common.errors import ConfigError, ExpertBackendError
 from services.dense.loader import open_checkpoint
 from services.dense.moe.remote import RemoteConfig, RemoteExperts
-from services.dense.moe.transport import InlineTransport, ShmTransport
+from services.dense.moe.transport import GrpcioInlineTransport, NativeInlineTransport, ShmTransport, native_grpc
 from tandem.v1 import expert_pb2 as pb
 from tandem.v1 import expert_pb2_grpc as pb_grpc
 from tests.checkpoints import checkpoint
@@ -50,6 +50,20 @@ def stub(server):
     channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
     yield pb_grpc.ExpertServiceStub(channel)
     channel.close()
+
+
+NEEDS_GRPC_CPP = pytest.mark.skipif(not native_grpc(), reason="tandem_grpc not built (grpc++ is not installed)")
+INLINE_CLIENTS = [pytest.param("native", marks=NEEDS_GRPC_CPP), "grpcio"]
+# routes, as (transport, grpc_client) of RemoteConfig: shared memory, inline on grpc++, inline on grpcio
+REMOTE_PATHS = [("shm", "auto"), pytest.param(("grpc", "native"), marks=NEEDS_GRPC_CPP), ("grpc", "grpcio")]
+
+
+@pytest.fixture(params=INLINE_CLIENTS)
+def inline(request, server, stub):
+    """Makes inline transports to the module's server on one client (grpc++ or grpcio)."""
+    if request.param == "native":
+        return lambda: NativeInlineTransport(f"127.0.0.1:{server.port}", 30.0)
+    return lambda: GrpcioInlineTransport(stub, 30.0)
 
 
 def inputs(cfg, tokens, seed=0):
@@ -124,25 +138,28 @@ def test_shm_converts_strided_or_other_dtype_inputs_first(stub, model):
         t.close()
 
 
-def test_expert_id_out_of_range_is_invalid_argument(stub, model):
+def test_expert_id_out_of_range_is_invalid_argument(stub, model, inline):
     _, cfg, layer = model
     x, ids, w = inputs(cfg, 2)
     ids[1, 0] = cfg.moe.num_experts
-    for t in (shm_transport(stub, cfg), InlineTransport(stub, 30.0)):
+    for t in (shm_transport(stub, cfg), inline()):
         expect_invalid(lambda: t.wait(t.submit(layer, x, ids, w))[0], "ids")
         t.close()
 
 
 @pytest.mark.parametrize("case, field", [("layer", "layer"), ("hidden", "hidden"), ("tokens", "tokens"),
                                          ("ids_dtype", "ids.dtype"), ("shape", "weights")])
-def test_bad_inline_call_is_invalid_argument_and_the_server_keeps_serving(stub, model, case, field):
+def test_bad_inline_call_is_invalid_argument_and_the_server_keeps_serving(stub, model, inline, case, field):
     _, cfg, layer = model
     x, ids, w = inputs(cfg, CAPACITY + 1 if case == "tokens" else 2)
     if case == "hidden":
         x = torch.randn(2, cfg.hidden_size + 32)
     bad_layer = 0 if case == "layer" else layer
-    t = InlineTransport(stub, 30.0)
-    if case == "ids_dtype":
+    t = inline()
+    if case == "ids_dtype" and isinstance(t, NativeInlineTransport):  # float32 ids, as sent
+        t._stream.submit(layer, x.numpy(), ids.float().numpy(), w.numpy())
+        handle = (layer, torch.float32, torch.device("cpu"))
+    elif case == "ids_dtype":
         t._queue.put(pb.ComputeRequest(layer=layer, x=pb.Tensor(dtype=pb.FLOAT32, shape=list(x.shape),
                                                                 data=x.numpy().tobytes()),
                                        ids=pb.Tensor(dtype=pb.FLOAT32, shape=list(ids.shape),
@@ -152,7 +169,7 @@ def test_bad_inline_call_is_invalid_argument_and_the_server_keeps_serving(stub, 
         handle = t.submit(bad_layer, x, ids, w[:, :1] if case == "shape" else w)
     expect_invalid(lambda: t.wait(handle), field)
     t.close()
-    fresh = InlineTransport(stub, 30.0)
+    fresh = inline()
     x, ids, w = inputs(cfg, 2)
     assert torch.isfinite(fresh.wait(fresh.submit(layer, x, ids, w))[0]).all()
     fresh.close()
@@ -219,11 +236,12 @@ def spawned(model):
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("transport", ["shm", "grpc"])
+@pytest.mark.parametrize("route", REMOTE_PATHS)
 def test_a_killed_server_fails_the_call_in_flight_with_unavailable_then_the_client_reconnects(
-        model, spawned, transport):
+        model, spawned, route):
     path, cfg, layer = model
-    remote = RemoteExperts(cfg, RemoteConfig(addresses=(spawned.address,), transport=transport, timeout_s=20))
+    remote = RemoteExperts(cfg, RemoteConfig(addresses=(spawned.address,), transport=route[0],
+                                             grpc_client=route[1], timeout_s=20))
     x, ids, w = inputs(cfg, 2)
     expected = remote.forward(layer, x, ids, w)
     spawned.pause()
@@ -252,10 +270,11 @@ def _succeeds(remote, layer, x, ids, w) -> bool:
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("transport", ["shm", "grpc"])
-def test_a_call_past_its_deadline_is_deadline_exceeded_and_the_next_call_works(model, spawned, transport):
+@pytest.mark.parametrize("route", REMOTE_PATHS)
+def test_a_call_past_its_deadline_is_deadline_exceeded_and_the_next_call_works(model, spawned, route):
     _, cfg, layer = model
-    remote = RemoteExperts(cfg, RemoteConfig(addresses=(spawned.address,), transport=transport, timeout_s=1.0))
+    remote = RemoteExperts(cfg, RemoteConfig(addresses=(spawned.address,), transport=route[0],
+                                             grpc_client=route[1], timeout_s=1.0))
     x, ids, w = inputs(cfg, 2)
     expected = remote.forward(layer, x, ids, w)
     spawned.pause()
@@ -269,10 +288,11 @@ def test_a_call_past_its_deadline_is_deadline_exceeded_and_the_next_call_works(m
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("transport", ["shm", "grpc"])
-def test_sigterm_drains_the_call_in_flight_then_exits(model, spawned, transport):
+@pytest.mark.parametrize("route", REMOTE_PATHS)
+def test_sigterm_drains_the_call_in_flight_then_exits(model, spawned, route):
     _, cfg, layer = model
-    remote = RemoteExperts(cfg, RemoteConfig(addresses=(spawned.address,), transport=transport, timeout_s=20))
+    remote = RemoteExperts(cfg, RemoteConfig(addresses=(spawned.address,), transport=route[0],
+                                             grpc_client=route[1], timeout_s=20))
     x, ids, w = inputs(cfg, 2)
     expected = remote.forward(layer, x, ids, w)
     spawned.pause()
@@ -285,3 +305,30 @@ def test_sigterm_drains_the_call_in_flight_then_exits(model, spawned, transport)
         remote.forward(layer, x, ids, w)
     assert info.value.code == "UNAVAILABLE"
     remote.close()
+
+
+def test_remote_config_refuses_an_unknown_grpc_client():
+    with pytest.raises(ConfigError, match="--grpc-client"):
+        RemoteConfig(addresses=("127.0.0.1:1",), grpc_client="grpc++")
+
+
+@NEEDS_GRPC_CPP
+def test_native_stream_checks_its_arrays_and_names_the_argument(server, model):
+    _, cfg, layer = model
+    x, ids, w = (t.numpy() for t in inputs(cfg, 2))
+    t = NativeInlineTransport(f"127.0.0.1:{server.port}", 30.0)
+    with pytest.raises(ValueError, match="x: dtype"):
+        t._stream.submit(layer, x.astype(np.float64), ids, w)
+    with pytest.raises(ValueError, match="ids: must be a C-contiguous 2-D array"):
+        t._stream.submit(layer, x, ids[:, ::2], w)
+    t._stream.submit(layer, x, ids, w)  # nothing went out before: this call's answer is the next
+    out, _ = t._stream.wait(30.0)
+    assert out.shape == x.shape and np.isfinite(out).all() and not t.dead.is_set()
+    t.close()
+
+
+@NEEDS_GRPC_CPP
+def test_native_stream_to_no_server_is_unavailable():
+    with pytest.raises(ExpertBackendError) as info:
+        NativeInlineTransport("127.0.0.1:1", 5.0, connect_timeout_s=5.0)
+    assert info.value.code == "UNAVAILABLE"

@@ -22,13 +22,14 @@ from services.common import telemetry
 from services.common.errors import ConfigError, ExpertBackendError
 from services.common.model_config import ModelConfig
 from services.dense.moe.experts import ExpertBackend
-from services.dense.moe.transport import InlineTransport, ShmTransport, rpc_error
+from services.dense.moe.transport import ShmTransport, inline_transport, native_grpc, rpc_error
 from tandem.v1 import expert_pb2 as pb
 from tandem.v1 import expert_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 _tracer = telemetry.tracer("tandem.dense.experts")
 TRANSPORTS = ("auto", "shm", "grpc")
+GRPC_CLIENTS = ("auto", "native", "grpcio")  # the inline stream's client: grpc++ (tandem_grpc) or grpcio
 # a restarted server is found again within about a second, not after gRPC's default backoff of minutes
 CHANNEL_OPTIONS = [
     ("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
@@ -46,12 +47,17 @@ class RemoteConfig:
     tls_root: Path | None = None   # trust root (PEM) for servers that use TLS
     max_tokens: int = 4096         # shared-memory session capacity (tokens per call)
     spin_us: float = 50.0
+    grpc_client: str = "auto"      # auto: grpc++ where tandem_grpc was built, else grpcio
 
     def __post_init__(self):
         if not self.addresses:
             raise ConfigError("--expert-servers: at least one address is needed")
         if self.transport not in TRANSPORTS:
             raise ConfigError(f"--transport: expected one of {', '.join(TRANSPORTS)}, got {self.transport!r}")
+        if self.grpc_client not in GRPC_CLIENTS:
+            raise ConfigError(f"--grpc-client: expected one of {', '.join(GRPC_CLIENTS)}, got {self.grpc_client!r}")
+        if self.grpc_client == "native" and not native_grpc():
+            raise ConfigError("--grpc-client native: tandem_grpc was not built (grpc++ is not installed here)")
 
 
 class ExpertServerClient:
@@ -87,7 +93,10 @@ class ExpertServerClient:
 
     def _open(self, layer: int):
         if not self.use_shm:
-            return InlineTransport(self.stub, self.rc.timeout_s)
+            try:
+                return self._inline()
+            except ExpertBackendError as exc:
+                raise ExpertBackendError(layer, exc.cause, exc.code) from exc
         try:
             return ShmTransport(self.stub, self.info.hidden_size, self.info.top_k, self.capacity,
                                 self.rc.spin_us, self.rc.timeout_s, self.rc.connect_timeout_s)
@@ -96,7 +105,13 @@ class ExpertServerClient:
                 raise ExpertBackendError(layer, exc.cause, exc.code) from exc
             log.warning("expert server %s: shared memory refused (%s); using inline gRPC", self.address, exc.cause)
             self.use_shm = False
-            return InlineTransport(self.stub, self.rc.timeout_s)
+            return self._inline()
+
+    def _inline(self):
+        rc = self.rc
+        root = rc.tls_root.read_bytes() if rc.tls_root is not None else None
+        native = {"auto": None, "native": True, "grpcio": False}[rc.grpc_client]
+        return inline_transport(self.stub, rc.timeout_s, self.address, root, rc.connect_timeout_s, native)
 
     def serving(self, timeout_s: float = 1.0) -> bool:
         """Whether the server answers its grpc.health.v1 check with SERVING."""

@@ -5,7 +5,9 @@
   in, publishes and rings, then waits on the response doorbell (GIL released) and copies out. The
   name is unlinked as soon as the server has mapped it, so a crash of either side leaves nothing
   in /dev/shm.
-- InlineTransport: any host. A long-lived Compute stream, tensors inline, answered in order.
+- InlineTransport: any host. A long-lived Compute stream, tensors inline, answered in order, on
+  grpc++ (tandem_grpc: the calling thread drives the stream, GIL released) where it was built, or
+  on grpcio's stream (GrpcioInlineTransport: a request-iterator thread and a polling thread).
 Both raise ExpertBackendError with a gRPC status name; a transport that failed is closed and the
 owner opens a new one on the next call. T tokens, D hidden size, K experts per token.
 """
@@ -173,7 +175,52 @@ class ShmTransport:
         self.segment.close()
 
 
-class InlineTransport:
+class NativeInlineTransport:
+    """The Compute stream on tandem_grpc (native/grpc): no Python thread between the caller and the
+    wire, which is most of what a layer's round trip over grpcio costs on a small machine."""
+
+    def __init__(self, address: str, timeout_s: float, tls_root: bytes | None = None, connect_timeout_s: float = 30.0):
+        import tandem_grpc
+
+        self.timeout_s = timeout_s
+        self.dead = threading.Event()
+        self._failure = tandem_grpc.RpcFailure
+        try:
+            self._stream = tandem_grpc.InlineStream(address, (tls_root or b"").decode(), 256 << 20, connect_timeout_s)
+        except tandem_grpc.RpcFailure as exc:
+            raise ExpertBackendError(-1, exc.args[1] or exc.args[0], exc.args[0]) from exc
+
+    def submit(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, trace: str = "",
+               each: bool = False):
+        xw, _ = to_wire(x)
+        try:
+            self._stream.submit(layer, xw, host_array(ids, torch.int64), host_array(weights, torch.float32), trace,
+                                each, self.timeout_s)
+        except self._failure as exc:
+            raise self._error(layer, exc) from exc
+        return layer, x.dtype, x.device
+
+    def wait(self, handle) -> tuple[torch.Tensor, float]:
+        """([T, D] result, seconds the server computed)."""
+        layer, dtype, device = handle
+        try:
+            out, compute_s = self._stream.wait(self.timeout_s)
+        except self._failure as exc:
+            raise self._error(layer, exc) from exc
+        return from_wire(out, dtype, device), compute_s
+
+    def _error(self, layer: int, exc) -> ExpertBackendError:
+        code, details = exc.args
+        if self._stream.dead:
+            self.dead.set()
+        return ExpertBackendError(layer, details or code, code)
+
+    def close(self) -> None:
+        self.dead.set()
+        self._stream.close()
+
+
+class GrpcioInlineTransport:
     def __init__(self, stub, timeout_s: float):
         self.timeout_s = timeout_s
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
@@ -226,3 +273,21 @@ class InlineTransport:
         self.dead.set()
         self._queue.put(None)
         self._call.cancel()
+
+
+def native_grpc() -> bool:
+    """Whether tandem_grpc (the grpc++ client) was built here."""
+    try:
+        import tandem_grpc  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def inline_transport(stub, timeout_s: float, address: str | None = None, tls_root: bytes | None = None,
+                    connect_timeout_s: float = 30.0, native: bool | None = None):
+    """The inline transport: on grpc++ where tandem_grpc was built (and address is known), else on
+    grpcio's stream from stub; native=False forces grpcio's."""
+    if address is not None and (native if native is not None else native_grpc()):
+        return NativeInlineTransport(address, timeout_s, tls_root, connect_timeout_s)
+    return GrpcioInlineTransport(stub, timeout_s)

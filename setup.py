@@ -83,8 +83,8 @@ def grpc_extension():
     return Pybind11Extension(
         "tandem_grpc",
         [str(NATIVE / "grpc" / "inline_stream.cpp"), *generated],
-        depends=[str(NATIVE / "grpc" / "inline_stream.cpp"), str(proto)],
-        include_dirs=[str(out)],
+        depends=[str(NATIVE / "grpc" / "inline_stream.cpp"), str(NATIVE / "src" / "copy.h"), str(proto)],
+        include_dirs=[str(out), str(NATIVE / "src")],
         extra_compile_args=COMMON_FLAGS + cflags,
         extra_link_args=["-pthread", *libs],
         cxx_std=17,

@@ -17,6 +17,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "copy.h"
 #include "tandem/v1/expert.grpc.pb.h"
 
 namespace py = pybind11;
@@ -61,7 +62,9 @@ void fill(pb::Tensor* t, const py::array& a, const char* field) {
     t->clear_shape();
     t->add_shape(a.shape(0));
     t->add_shape(a.shape(1));
-    t->set_data(a.data(), size_t(a.nbytes()));
+    std::string* data = t->mutable_data();
+    data->resize(size_t(a.nbytes()));
+    tandem::copy_bytes(data->data(), a.data(), data->size());
 }
 
 // The response's tensor as a new numpy array, after checking dtype, shape and byte count.
@@ -74,7 +77,7 @@ py::array to_array(const pb::Tensor& t) {
     py::array out(dtype, {t.shape(0), t.shape(1)});
     if (size_t(out.nbytes()) != t.data().size())
         throw RpcFailure("INTERNAL", "out.data: " + std::to_string(t.data().size()) + " bytes do not hold the shape");
-    std::memcpy(out.mutable_data(), t.data().data(), t.data().size());
+    tandem::copy_bytes(out.mutable_data(), t.data().data(), t.data().size());
     return out;
 }
 

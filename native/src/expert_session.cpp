@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "binding_util.h"
+#include "copy.h"
 #include "doorbell.h"
 
 namespace tandem {
@@ -115,7 +116,7 @@ public:
         std::lock_guard<std::mutex> lock(mu_);
         const size_t n = size_t(T) * size_t(hidden_);
         if (echo_) {
-            std::memcpy(out, x, n * (bf16 ? 2 : 4));
+            copy_bytes(out, x, n * (bf16 ? 2 : 4));
             return;
         }
         const float* x32 = static_cast<const float*>(x);
@@ -443,7 +444,7 @@ public:
         if (weights.kind != HostArray::kF32 || weights.rows != T || weights.cols != K)
             throw Invalid("weights: expected float32 [" + std::to_string(T) + ", " + std::to_string(K) + "]");
         uint8_t* base = map_.base();
-        std::memcpy(base + slots_.x, x.data, x.nbytes());
+        copy_bytes(base + slots_.x, x.data, x.nbytes());
         std::memcpy(base + slots_.ids, ids.data, ids.nbytes());
         std::memcpy(base + slots_.weights, weights.data, weights.nbytes());
         const size_t length = std::min(traceparent.size(), layout::kTraceBytes);
@@ -498,7 +499,7 @@ public:
             if (x_code(o, "out") != x_code_) throw Invalid("out: must have the submitted x's dtype");
             check_x(o, "out", tokens_, hidden_);
             if (!o.writeable()) throw Invalid("out: must be writable");
-            std::memcpy(o.mutable_data(), base + slots_.out, size_t(o.nbytes()));
+            copy_bytes(o.mutable_data(), base + slots_.out, size_t(o.nbytes()));
         }
         return py::make_tuple(status, py::str(""), compute_s);
     }

@@ -321,6 +321,7 @@ def test_native_stream_checks_its_arrays_and_names_the_argument(server, model):
         t._stream.submit(layer, x.astype(np.float64), ids, w)
     with pytest.raises(ValueError, match="ids: must be a C-contiguous 2-D array"):
         t._stream.submit(layer, x, ids[:, ::2], w)
+    expect_invalid(lambda: t.submit(layer, torch.from_numpy(x[0]), torch.from_numpy(ids), torch.from_numpy(w)), "x")
     t._stream.submit(layer, x, ids, w)  # nothing went out before: this call's answer is the next
     out, _ = t._stream.wait(30.0)
     assert out.shape == x.shape and np.isfinite(out).all() and not t.dead.is_set()

@@ -5,9 +5,10 @@
   in, publishes and rings, then waits on the response doorbell (GIL released) and copies out. The
   name is unlinked as soon as the server has mapped it, so a crash of either side leaves nothing
   in /dev/shm.
-- InlineTransport: any host. A long-lived Compute stream, tensors inline, answered in order, on
-  grpc++ (tandem_grpc: the calling thread drives the stream, GIL released) where it was built, or
-  on grpcio's stream (GrpcioInlineTransport: a request-iterator thread and a polling thread).
+- inline_transport: any host. A long-lived Compute stream, tensors inline, answered in order, on
+  grpc++ (NativeInlineTransport, tandem_grpc: the calling thread drives the stream, GIL released)
+  where it was built, or on grpcio's (GrpcioInlineTransport: a request-iterator thread and a
+  polling thread).
 Both raise ExpertBackendError with a gRPC status name; a transport that failed is closed and the
 owner opens a new one on the next call. T tokens, D hidden size, K experts per token.
 """
@@ -198,6 +199,8 @@ class NativeInlineTransport:
                                 each, self.timeout_s)
         except self._failure as exc:
             raise self._error(layer, exc) from exc
+        except ValueError as exc:  # not a [T, D] / [T, K] call: nothing was sent
+            raise ExpertBackendError(layer, str(exc), "INVALID_ARGUMENT") from exc
         return layer, x.dtype, x.device
 
     def wait(self, handle) -> tuple[torch.Tensor, float]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 from dataclasses import dataclass
 
 from expert_server import store
@@ -20,13 +21,18 @@ log = logging.getLogger(__name__)
 class RunningServer:
     server: object
     servicer: ExpertServicer
+    health: object
     port: int
     experts: store.ExpertLayers
 
     def stop(self, grace: float | None = None) -> None:
-        """Drains (finishes calls in hand), then stops the gRPC server."""
-        self.servicer.drain()
-        self.server.stop(grace).wait()
+        """Drains: NOT_SERVING, no new streams or sessions, the open ones answered until quiet (at most
+        grace seconds); then ends them and stops the gRPC server."""
+        deadline = time.monotonic() + (grace or 0.0)
+        set_serving(self.health, False)
+        self.server.stop(grace)
+        self.servicer.drain(deadline)
+        self.server.stop(None).wait()
 
 
 def announce(cfg: ServerConfig, checkpoint: Checkpoint, model_cfg) -> list[int]:
@@ -66,4 +72,4 @@ def start(cfg: ServerConfig) -> RunningServer:
     servicer.ready(executor, experts.nbytes)
     set_serving(health_servicer, True)
     log.info("expert server serving layers %s", sorted(experts.layers))
-    return RunningServer(server, servicer, port, experts)
+    return RunningServer(server, servicer, health_servicer, port, experts)

@@ -17,6 +17,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from expert_server.config import ServerConfig
+from expert_server.drain import CallActivity
 from expert_server.executor import ExpertExecutor
 from expert_server.shm_session import ShmSession
 from expert_server.tracing import CallTracer
@@ -37,6 +38,7 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
         self.executor: ExpertExecutor | None = None
         self.nbytes = 0
         self.draining = threading.Event()
+        self.activity = CallActivity()
         self._sessions: set[ShmSession] = set()
         self._lock = threading.Lock()
 
@@ -64,22 +66,28 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
     def Compute(self, request_iterator, context):
         ex = self._serving(context)
         calls = CallTracer(max(ex.layers))
-        for req in request_iterator:
-            try:
-                x = wire.decode("x", req.x, (pb.FLOAT32, pb.BFLOAT16), 2)
-                ids = wire.decode("ids", req.ids, (pb.INT64,), 2)
-                weights = wire.decode("weights", req.weights, (pb.FLOAT32,), 2)
-                start = time.time_ns()
-                out = ex.compute(req.layer, x, ids, weights)
-                end = time.time_ns()
-            except TandemError as exc:
-                abort(context, exc)
-            calls.record(req.traceparent, req.trace_each, req.layer, x.shape[0], start, end)
-            response = pb.ComputeResponse(compute_s=(end - start) / 1e9)
-            wire.encode(response.out, out, req.x.dtype)
-            yield response
-            if self.draining.is_set():
-                return
+        with self.activity.stream():
+            for req in request_iterator:
+                self.activity.begin()
+                try:
+                    yield self._compute(ex, calls, req, context)
+                finally:  # runs once the answer has gone (or the stream was cancelled)
+                    self.activity.end()
+
+    def _compute(self, ex: ExpertExecutor, calls: CallTracer, req, context) -> pb.ComputeResponse:
+        try:
+            x = wire.decode("x", req.x, (pb.FLOAT32, pb.BFLOAT16), 2)
+            ids = wire.decode("ids", req.ids, (pb.INT64,), 2)
+            weights = wire.decode("weights", req.weights, (pb.FLOAT32,), 2)
+            start = time.time_ns()
+            out = ex.compute(req.layer, x, ids, weights)
+            end = time.time_ns()
+        except TandemError as exc:
+            abort(context, exc)
+        calls.record(req.traceparent, req.trace_each, req.layer, x.shape[0], start, end)
+        response = pb.ComputeResponse(compute_s=(end - start) / 1e9)
+        wire.encode(response.out, out, req.x.dtype)
+        return response
 
     def OpenSession(self, request_iterator, context):
         ex = self._serving(context)
@@ -94,15 +102,16 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
             segment = shm.Segment.attach(o.segment_name, o.byte_size, o.layout_version, o.max_tokens)
         except InvalidRequestError as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        session = ShmSession(segment, ex, o.max_tokens, self.cfg.spin_us)
+        session = ShmSession(segment, ex, o.max_tokens, self.cfg.spin_us, self.activity)
         context.add_callback(session.stop)
         with self._lock:
             self._sessions.add(session)
         try:
-            session.start()
-            yield pb.SessionResponse(ready=pb.SessionReady(session_id=id(session)))
-            for _ in request_iterator:  # nothing more is expected: this waits for the stream's end
-                pass
+            with self.activity.stream():
+                session.start()
+                yield pb.SessionResponse(ready=pb.SessionReady(session_id=id(session)))
+                for _ in request_iterator:  # nothing more is expected: this waits for the stream's end
+                    pass
         finally:
             session.stop()
             with self._lock:
@@ -113,9 +122,13 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
         with self._lock:
             return len(self._sessions)
 
-    def drain(self) -> None:
-        """Refuses new calls, finishes each session's call in hand, and ends the sessions."""
+    def drain(self, deadline: float) -> None:
+        """Refuses new streams and sessions, answers the open ones until they have all been quiet for
+        QUIET_S (or deadline, time.monotonic()), then ends the sessions, each after its call in hand."""
+        since = time.monotonic()
         self.draining.set()
+        if not self.activity.wait_quiet(since, deadline):
+            log.warning("drain: calls still coming at the end of the drain time; ending their streams")
         with self._lock:
             sessions = list(self._sessions)
         for session in sessions:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 
+from expert_server.drain import CallActivity
 from expert_server.executor import ExpertExecutor
 from expert_server.tracing import CallTracer
 from services.common import shm_layout as shm
@@ -21,10 +22,11 @@ OK, INVALID_ARGUMENT = 0, 3
 
 
 class ShmSession:
-    def __init__(self, segment: shm.Segment, executor: ExpertExecutor, max_tokens: int, spin_us: float):
+    def __init__(self, segment: shm.Segment, executor: ExpertExecutor, max_tokens: int, spin_us: float,
+                 activity: CallActivity):
         import tandem_native
 
-        self.segment, self.executor = segment, executor
+        self.segment, self.executor, self.activity = segment, executor, activity
         self._native = tandem_native.ShmServer(segment.mm, executor.native, max_tokens, spin_us)
         self._stop = threading.Event()
         self.calls = CallTracer(max(executor.layers))
@@ -52,6 +54,7 @@ class ShmSession:
             answered = self._native.serve_next(0.5)
             if answered is not None:
                 status, layer, tokens, start_ns, end_ns, traceparent, each = answered
+                self.activity.mark()
                 if status == OK and traceparent:
                     self.calls.record(traceparent, each, layer, tokens, start_ns, end_ns)
                 elif status not in (OK, INVALID_ARGUMENT):

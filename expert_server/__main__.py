@@ -36,7 +36,7 @@ def serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=8192, help="most tokens per call")
     p.add_argument("--tls-cert", type=Path, help="server certificate (PEM); with --tls-key enables TLS")
     p.add_argument("--tls-key", type=Path, help="server private key (PEM)")
-    p.add_argument("--drain-seconds", type=float, default=10.0, help="how long SIGTERM waits for in-flight calls")
+    p.add_argument("--drain-seconds", type=float, default=10.0, help="the longest SIGTERM keeps answering open streams before it ends them (it ends them sooner once all are quiet)")
     p.add_argument("--spin-us", type=float, default=50.0,
                    help="microseconds a shared-memory session spins for the next layer call before sleeping "
                         "(default 50; on a host with cores to spare, a few thousand keeps the futex wake-up, "

@@ -36,7 +36,7 @@ class ServerConfig:
     tls_cert: Path | None = None
     tls_key: Path | None = None
     echo: bool = False             # return x unchanged instead of computing (transport benchmarks)
-    drain_s: float = 10.0          # how long SIGTERM waits for in-flight calls
+    drain_s: float = 10.0          # the longest SIGTERM keeps answering open streams
     spin_us: float = 50.0          # how long a session's thread spins for the next call before sleeping
 
     def __post_init__(self):

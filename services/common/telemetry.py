@@ -94,14 +94,23 @@ def tracer(name: str) -> trace.Tracer:
     return trace.get_tracer(name)
 
 
+_last_traceparent: tuple[object, str] = (trace.INVALID_SPAN, "")  # (span, its traceparent): every layer call asks
+
+
 def traceparent(span: trace.Span | None = None) -> str:
     """The W3C traceparent of a span (default: the current one); "" when it is not recording."""
+    global _last_traceparent
     span = span or trace.get_current_span()
-    if not span.get_span_context().is_valid:
-        return ""
-    carrier: dict[str, str] = {}
-    _PROPAGATOR.inject(carrier, context=trace.set_span_in_context(span))
-    return carrier.get("traceparent", "")
+    last, value = _last_traceparent
+    if span is last:
+        return value
+    value = ""
+    if span.get_span_context().is_valid:
+        carrier: dict[str, str] = {}
+        _PROPAGATOR.inject(carrier, context=trace.set_span_in_context(span))
+        value = carrier.get("traceparent", "")
+    _last_traceparent = (span, value)
+    return value
 
 
 def metadata(span: trace.Span) -> tuple[tuple[str, str], ...]:

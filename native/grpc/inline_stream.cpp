@@ -3,8 +3,8 @@
 // grpcio's Python streams hand every request to a thread that consumes the request iterator and
 // every response from its polling thread to the caller: on the 2-core bench machine those
 // hand-offs and the Python around them were most of a layer's 540 us round trip. Here the caller's
-// own thread drives the call's completion queue with the GIL released: a write returns once the
-// message is with the transport, a read once the answer is in, each within a deadline.
+// own thread drives the call's completion queue with the GIL released: submit posts the write and
+// the read of its answer and returns; wait runs the queue until both are done, within a deadline.
 // T tokens, D hidden size, K experts per token.
 #include <grpcpp/grpcpp.h>
 #include <pybind11/numpy.h>
@@ -104,7 +104,8 @@ public:
         call_->StartCall(tag(kStart));
         py::gil_scoped_release release;
         try {
-            await(kStart, deadline(connect_s), connect_s);
+            unsigned start = bit(kStart);
+            await(start, deadline(connect_s), connect_s);
         } catch (...) {
             shutdown();
             throw;
@@ -116,10 +117,15 @@ public:
         shutdown();
     }
 
-    // Sends one layer's call; returns once the message is with the transport.
+    // Sends one layer's call and posts the read of its answer, waiting for neither: the caller goes on
+    // (the shared experts) while the call is out. An answer nobody waited for is read and dropped first.
     void submit(uint32_t layer, const py::array& x, const py::array& ids, const py::array& weights,
                 const std::string& traceparent, bool each, double timeout_s) {
         alive();
+        if (pending_) {
+            py::gil_scoped_release release;
+            await(pending_, deadline(timeout_s), timeout_s);
+        }
         request_.set_layer(layer);
         fill(request_.mutable_x(), x, "x");
         fill(request_.mutable_ids(), ids, "ids");
@@ -128,16 +134,17 @@ public:
         request_.set_trace_each(each);
         py::gil_scoped_release release;
         call_->Write(request_, tag(kWrite));
-        await(kWrite, deadline(timeout_s), timeout_s);
+        call_->Read(&response_, tag(kRead));
+        pending_ = bit(kWrite) | bit(kRead);
     }
 
-    // The next answer: (out [T, D] in x's dtype, seconds the server computed).
+    // The submitted call's answer: (out [T, D] in x's dtype, seconds the server computed).
     py::tuple wait(double timeout_s) {
         alive();
+        if (!pending_) throw std::logic_error("wait: no call was submitted");
         {
             py::gil_scoped_release release;
-            call_->Read(&response_, tag(kRead));
-            await(kRead, deadline(timeout_s), timeout_s);
+            await(pending_, deadline(timeout_s), timeout_s);
         }
         return py::make_tuple(to_array(response_.out()), response_.compute_s());
     }
@@ -165,6 +172,7 @@ private:
 
     enum Op : intptr_t { kStart = 1, kWrite, kRead, kFinish };
     static void* tag(Op op) { return reinterpret_cast<void*>(op); }
+    static unsigned bit(Op op) { return 1u << op; }
     static Clock::time_point deadline(double s) {
         return Clock::now() + std::chrono::microseconds(int64_t(std::min(s, 1e7) * 1e6));
     }
@@ -173,12 +181,13 @@ private:
         if (closed_ || dead_) throw RpcFailure("UNAVAILABLE", "the stream to the expert server ended");
     }
 
-    // Runs the completion queue until op completes. An op that fails ends the stream: its status is
-    // fetched and raised; one that outlives the deadline cancels it (DEADLINE_EXCEEDED).
-    void await(Op op, Clock::time_point until, double timeout_s) {
+    // Runs the completion queue until every op in ops (a mask of bit(op), cleared as they complete)
+    // has completed. An op that fails ends the stream: its status is fetched and raised; ops that
+    // outlive the deadline cancel it (DEADLINE_EXCEEDED).
+    void await(unsigned& ops, Clock::time_point until, double timeout_s) {
         void* got;
         bool ok;
-        for (;;) {
+        while (ops) {
             const auto state = cq_.AsyncNext(&got, &ok, until);
             if (state == grpc::CompletionQueue::TIMEOUT) {
                 dead_ = true;
@@ -188,9 +197,9 @@ private:
                 throw RpcFailure("DEADLINE_EXCEEDED", what);
             }
             if (state != grpc::CompletionQueue::GOT_EVENT) throw RpcFailure("UNAVAILABLE", "the stream was shut down");
-            if (got == tag(op)) break;
+            if (!ok) fail();
+            ops &= ~bit(static_cast<Op>(reinterpret_cast<intptr_t>(got)));
         }
-        if (!ok) fail();
     }
 
     [[noreturn]] void fail() {
@@ -212,6 +221,7 @@ private:
     pb::ComputeRequest request_;
     pb::ComputeResponse response_;
     grpc::Status status_;
+    unsigned pending_ = 0;  // bit(kWrite) | bit(kRead) of the call submitted and not yet waited for
     bool dead_ = false, closed_ = false, finishing_ = false;
 };
 

@@ -147,6 +147,16 @@ def test_expert_id_out_of_range_is_invalid_argument(stub, model, inline):
         t.close()
 
 
+def test_an_answer_nobody_waited_for_is_dropped_and_the_next_call_gets_its_own(stub, model, inline):
+    _, cfg, layer = model
+    (x1, ids1, w1), (x2, ids2, w2) = inputs(cfg, CAPACITY, seed=1), inputs(cfg, 3, seed=2)
+    for t in (shm_transport(stub, cfg), inline()):
+        expected = t.wait(t.submit(layer, x2, ids2, w2))[0]
+        t.submit(layer, x1, ids1, w1)  # abandoned (the caller failed between submit and wait)
+        assert torch.equal(t.wait(t.submit(layer, x2, ids2, w2))[0], expected)
+        t.close()
+
+
 @pytest.mark.parametrize("case, field", [("layer", "layer"), ("hidden", "hidden"), ("tokens", "tokens"),
                                          ("ids_dtype", "ids.dtype"), ("shape", "weights")])
 def test_bad_inline_call_is_invalid_argument_and_the_server_keeps_serving(stub, model, inline, case, field):

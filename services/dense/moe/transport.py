@@ -74,6 +74,7 @@ class ShmTransport:
         self._ready = threading.Event()
         self._closing = threading.Event()
         self._failure: grpc.RpcError | None = None
+        self._pending: tuple[int, int] | None = None  # (layer, seq) submitted and not yet waited for
         self._call = stub.OpenSession(self._requests())
         threading.Thread(target=self._watch, name="shm-session", daemon=True).start()
         try:
@@ -113,6 +114,8 @@ class ShmTransport:
                each: bool = False):
         if self.dead.is_set():
             raise ExpertBackendError(layer, "the expert server's session ended", "UNAVAILABLE")
+        if self._pending is not None:  # an answer nobody waited for: awaited (the slots are in use) and dropped
+            self.check(*self._pending)
         try:  # CPU tensors of the wire's dtypes go as they are
             seq = self._native.submit(layer, x, ids, weights, trace, each)
         except ValueError:  # on another device, of another dtype or strided: converted, then checked again
@@ -122,6 +125,7 @@ class ShmTransport:
                                           host_array(weights, torch.float32), trace, each)
             except ValueError as exc:  # the call does not fit the session (hidden size, tokens, top-k)
                 raise ExpertBackendError(layer, str(exc), "INVALID_ARGUMENT") from exc
+        self._pending = layer, seq
         return layer, seq, x.shape[0], x.dtype, None if x.is_cpu else x.device
 
     def publish(self, request: shm.Request) -> int:
@@ -133,6 +137,7 @@ class ShmTransport:
     def check(self, layer: int, seq: int, out: np.ndarray | None = None) -> float:
         """Waits for the answer to call seq; raises the server's error status, if any; copies the
         result into out (when given); returns the seconds the server computed."""
+        self._pending = None
         first_s = min(self.timeout_s, 0.25)
         answer = self._native.finish(seq, self.spin_us, first_s, out)
         if answer is None:
@@ -229,7 +234,7 @@ class GrpcioInlineTransport:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._call = stub.Compute(iter(self._queue.get, None))
         self._deadline: float | None = None
-        self._timed_out = False
+        self._timed_out = self._pending = False
         self.dead = threading.Event()
         threading.Thread(target=self._watchdog, name="inline-watchdog", daemon=True).start()
 
@@ -246,19 +251,28 @@ class GrpcioInlineTransport:
                each: bool = False):
         if self.dead.is_set():
             raise ExpertBackendError(layer, "the stream to the expert server ended", "UNAVAILABLE")
+        if self._pending:  # an answer nobody waited for is read and dropped
+            self._next(layer)
         request = pb.ComputeRequest(layer=layer, traceparent=trace, trace_each=each)
         wire.encode(request.x, *to_wire(x))
         wire.encode(request.ids, host_array(ids, torch.int64), pb.INT64)
         wire.encode(request.weights, host_array(weights, torch.float32), pb.FLOAT32)
-        self._queue.put(request)
         self._deadline = time.monotonic() + self.timeout_s
+        self._pending = True
+        self._queue.put(request)
         return layer, x.dtype, x.device
 
     def wait(self, handle) -> tuple[torch.Tensor, float]:
         """([T, D] result, seconds the server computed)."""
         layer, dtype, device = handle
+        response = self._next(layer)
+        out = wire.decode("out", response.out, (pb.FLOAT32, pb.BFLOAT16), 2)
+        return from_wire(out.copy(), dtype, device), response.compute_s
+
+    def _next(self, layer: int) -> pb.ComputeResponse:
+        self._pending = False
         try:
-            response = next(self._call)
+            return next(self._call)
         except grpc.RpcError as exc:
             self.dead.set()
             if self._timed_out:
@@ -269,8 +283,6 @@ class GrpcioInlineTransport:
             raise ExpertBackendError(layer, "the expert server ended the stream", "UNAVAILABLE") from exc
         finally:
             self._deadline = None
-        out = wire.decode("out", response.out, (pb.FLOAT32, pb.BFLOAT16), 2)
-        return from_wire(out.copy(), dtype, device), response.compute_s
 
     def close(self) -> None:
         self.dead.set()

@@ -43,9 +43,10 @@ class CallActivity:
             self._mark()
 
     def mark(self) -> None:
-        """A call that was begun and ended elsewhere (a session's, answered in C++)."""
-        with self._cond:
-            self._mark()
+        """A call that was begun and ended elsewhere (a session's, answered in C++). No lock and no
+        notify on this path, which runs after every shared-memory call: a drain waiting for the quiet
+        time wakes at its end anyway and then sees this call."""
+        self._last_end = time.monotonic()
 
     def _mark(self) -> None:
         self._last_end = time.monotonic()

@@ -17,7 +17,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from expert_server.config import ServerConfig
-from expert_server.drain import CallActivity
+from expert_server.drain import CallActivity, StreamActivity
 from expert_server.executor import ExpertExecutor
 from expert_server.shm_session import ShmSession
 from expert_server.tracing import CallTracer
@@ -66,13 +66,13 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
     def Compute(self, request_iterator, context):
         ex = self._serving(context)
         calls = CallTracer(max(ex.layers))
-        with self.activity.stream():
+        with self.activity.watch(StreamActivity()) as stream:
             for req in request_iterator:
-                self.activity.begin()
+                stream.begin()
                 try:
                     yield self._compute(ex, calls, req, context)
                 finally:  # runs once the answer has gone (or the stream was cancelled)
-                    self.activity.end()
+                    stream.end()
 
     def _compute(self, ex: ExpertExecutor, calls: CallTracer, req, context) -> pb.ComputeResponse:
         try:
@@ -102,12 +102,12 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
             segment = shm.Segment.attach(o.segment_name, o.byte_size, o.layout_version, o.max_tokens)
         except InvalidRequestError as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        session = ShmSession(segment, ex, o.max_tokens, self.cfg.spin_us, self.activity)
+        session = ShmSession(segment, ex, o.max_tokens, self.cfg.spin_us, StreamActivity())
         context.add_callback(session.stop)
         with self._lock:
             self._sessions.add(session)
         try:
-            with self.activity.stream():
+            with self.activity.watch(session.activity):
                 session.start()
                 yield pb.SessionResponse(ready=pb.SessionReady(session_id=id(session)))
                 for _ in request_iterator:  # nothing more is expected: this waits for the stream's end

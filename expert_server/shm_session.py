@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 
-from expert_server.drain import CallActivity
+from expert_server.drain import StreamActivity
 from expert_server.executor import ExpertExecutor
 from expert_server.tracing import CallTracer
 from services.common import shm_layout as shm
@@ -23,7 +23,7 @@ OK, INVALID_ARGUMENT = 0, 3
 
 class ShmSession:
     def __init__(self, segment: shm.Segment, executor: ExpertExecutor, max_tokens: int, spin_us: float,
-                 activity: CallActivity):
+                 activity: StreamActivity):
         import tandem_native
 
         self.segment, self.executor, self.activity = segment, executor, activity

@@ -3,7 +3,7 @@
 import threading
 import time
 
-from expert_server.drain import CallActivity
+from expert_server.drain import CallActivity, StreamActivity
 
 
 def test_with_no_stream_open_there_is_nothing_to_wait_for():
@@ -14,7 +14,7 @@ def test_with_no_stream_open_there_is_nothing_to_wait_for():
 
 def test_an_open_stream_is_waited_on_until_it_has_been_quiet_for_the_quiet_time():
     activity = CallActivity()
-    with activity.stream():
+    with activity.watch(StreamActivity()):
         start = time.monotonic()
         assert activity.wait_quiet(start, start + 10, quiet_s=0.3)
         assert 0.3 <= time.monotonic() - start < 3
@@ -22,14 +22,14 @@ def test_an_open_stream_is_waited_on_until_it_has_been_quiet_for_the_quiet_time(
 
 def test_a_call_under_way_holds_the_drain_until_it_ends_and_the_quiet_time_after_it_passes():
     activity = CallActivity()
-    with activity.stream():
-        activity.begin()
+    with activity.watch(StreamActivity()) as stream, activity.watch(StreamActivity()):
+        stream.begin()
         ended = []
 
         def finish():
             time.sleep(0.5)
             ended.append(time.monotonic())
-            activity.end()
+            stream.end()
 
         threading.Thread(target=finish).start()
         start = time.monotonic()
@@ -41,11 +41,11 @@ def test_calls_that_keep_coming_run_the_drain_to_its_deadline():
     activity = CallActivity()
     stop = threading.Event()
 
-    def calls():
-        while not stop.wait(0.05):
-            activity.mark()
+    with activity.watch(StreamActivity()) as stream:
+        def calls():
+            while not stop.wait(0.05):
+                stream.mark()
 
-    with activity.stream():
         threading.Thread(target=calls).start()
         start = time.monotonic()
         try:
@@ -60,7 +60,8 @@ def test_a_stream_that_closes_ends_the_wait():
     opened = threading.Event()
 
     def client():
-        with activity.stream():
+        with activity.watch(StreamActivity()) as stream:
+            stream.begin()
             opened.set()
             time.sleep(0.3)
 

@@ -115,7 +115,11 @@ class ShmTransport:
         if self.dead.is_set():
             raise ExpertBackendError(layer, "the expert server's session ended", "UNAVAILABLE")
         if self._pending is not None:  # an answer nobody waited for: awaited (the slots are in use) and dropped
-            self.check(*self._pending)
+            try:
+                self.check(*self._pending)
+            except ExpertBackendError:  # that call's own error is not this one's, unless the session ended
+                if self.dead.is_set():
+                    raise
         try:  # CPU tensors of the wire's dtypes go as they are
             seq = self._native.submit(layer, x, ids, weights, trace, each)
         except ValueError:  # on another device, of another dtype or strided: converted, then checked again

@@ -25,9 +25,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[test]'
 	touch $(STAMP)
 
-# grpc++ and its code generator, for tandem_grpc (the dense side's inline gRPC client): installed with
+# grpc++ and its code generator, for tandem_grpc (the inline gRPC stream's client and server): installed with
 # apt where this runs as root (CI, a fresh box); elsewhere the build leaves tandem_grpc out and the
-# dense side uses grpcio's client.
+# inline stream runs on grpcio at both ends.
 GRPC_CPP := pkg-config libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc
 grpc-cpp:
 	@(command -v grpc_cpp_plugin && pkg-config --exists grpc++ protobuf) >/dev/null 2>&1 || \

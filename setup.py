@@ -1,5 +1,5 @@
 """Builds the native kernels (tandem_native): each ISA variant compiled with only its own flags; and,
-where grpc++ is installed, the inline gRPC client (tandem_grpc)."""
+where grpc++ is installed, the inline gRPC stream's client and server (tandem_grpc)."""
 
 import os
 import shutil
@@ -82,9 +82,10 @@ def grpc_extension():
     generated = [str(out / "tandem" / "v1" / name) for name in ("expert.pb.cc", "expert.grpc.pb.cc")]
     return Pybind11Extension(
         "tandem_grpc",
-        [str(NATIVE / "grpc" / "inline_stream.cpp"), *generated],
-        depends=[str(NATIVE / "grpc" / "inline_stream.cpp"), str(NATIVE / "src" / "copy.h"), str(proto)],
-        include_dirs=[str(out), str(NATIVE / "src")],
+        [*sorted(str(p) for p in (NATIVE / "grpc").glob("*.cpp")), *generated],
+        depends=[*sorted(str(p) for p in (NATIVE / "grpc").glob("*")), str(NATIVE / "src" / "copy.h"),
+                 str(NATIVE / "include" / "tandem" / "executor_api.h"), str(proto)],
+        include_dirs=[str(out), str(NATIVE / "src"), str(NATIVE / "include")],
         extra_compile_args=COMMON_FLAGS + cflags,
         extra_link_args=["-pthread", *libs],
         cxx_std=17,

@@ -14,7 +14,7 @@ import threading
 from pathlib import Path
 
 from expert_server import store
-from expert_server.config import ServerConfig, parse_layers
+from expert_server.config import ServerConfig, parse_layers, parse_port
 from services.common import telemetry
 from services.common.errors import TandemError
 from services.common.expert_weights import DEFAULT_GROUP_SIZE, FORMATS, default_threads
@@ -41,6 +41,9 @@ def serve_parser() -> argparse.ArgumentParser:
                    help="microseconds a shared-memory session spins for the next layer call before sleeping "
                         "(default 50; on a host with cores to spare, a few thousand keeps the futex wake-up, "
                         "tens of microseconds, off every layer call of a decode step)")
+    p.add_argument("--compute-port", default="0",
+                   help="port of the inline Compute stream's grpc++ server, on --listen's host (default 0: any "
+                        "free port; GetInfo tells clients which); 'off': Compute on --listen's port only")
     p.add_argument("--echo", action="store_true", help="return x unchanged (transport benchmarks only)")
     return p
 
@@ -60,7 +63,7 @@ def serve(args: argparse.Namespace) -> int:
         model=args.model, format=args.format, layers=parse_layers(args.layers), threads=args.threads,
         listen=args.listen, store=args.store, group_size=args.group_size, max_tokens=args.max_tokens,
         tls_cert=args.tls_cert, tls_key=args.tls_key, echo=args.echo, drain_s=args.drain_seconds,
-        spin_us=args.spin_us,
+        spin_us=args.spin_us, compute_port=parse_port(args.compute_port),
     )
     print(f"expert server config: {cfg}", file=sys.stderr, flush=True)
     telemetry.setup("tandem-expert-server", telemetry.TracingConfig.from_env(os.environ))

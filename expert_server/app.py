@@ -1,4 +1,5 @@
-"""Assembles an expert server from its config: memory check, server up, weights in, then SERVING."""
+"""Assembles an expert server from its config: memory check, server up, weights in, Compute's grpc++
+server up, then SERVING."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-from expert_server import store
+from expert_server import native_compute, store
 from expert_server.config import ServerConfig
 from expert_server.executor import ExpertExecutor
 from expert_server.server import ExpertServicer, build_server, set_serving
@@ -64,12 +65,13 @@ def start(cfg: ServerConfig) -> RunningServer:
     server, health_servicer, port = build_server(cfg, servicer)
     try:
         experts = load_experts(cfg, checkpoint, model_cfg, layers, pool)
+        executor = ExpertExecutor(experts.layers, pool, model_cfg.hidden_size, model_cfg.moe.num_experts,
+                                  cfg.max_tokens, cfg.echo)
+        compute = native_compute.start(cfg, executor, servicer.activity)
     except BaseException:
         server.stop(None)
         raise
-    executor = ExpertExecutor(experts.layers, pool, model_cfg.hidden_size, model_cfg.moe.num_experts,
-                              cfg.max_tokens, cfg.echo)
-    servicer.ready(executor, experts.nbytes)
+    servicer.ready(executor, experts.nbytes, compute)
     set_serving(health_servicer, True)
     log.info("expert server serving layers %s", sorted(experts.layers))
     return RunningServer(server, servicer, health_servicer, port, experts)

@@ -9,6 +9,16 @@ from services.common.errors import ConfigError
 from services.common.expert_weights import FORMATS
 
 
+def parse_port(text: str) -> int | None:
+    """--compute-port: a port number, or 'off'."""
+    if text == "off":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise ConfigError(f"--compute-port: expected a port in [0, 65535] or 'off', got {text!r}") from None
+
+
 def parse_layers(text: str | None) -> tuple[int, int] | None:
     """'A-B' (inclusive) or a single 'A' into a range; None means every layer."""
     if text is None:
@@ -38,6 +48,7 @@ class ServerConfig:
     echo: bool = False             # return x unchanged instead of computing (transport benchmarks)
     drain_s: float = 10.0          # the longest SIGTERM keeps answering open streams
     spin_us: float = 50.0          # how long a session's thread spins for the next call before sleeping
+    compute_port: int | None = 0   # the grpc++ Compute server's port (0: any free one); None: none
 
     def __post_init__(self):
         if self.format not in FORMATS:
@@ -48,5 +59,7 @@ class ServerConfig:
             raise ConfigError(f"--max-tokens: must be >= 1, got {self.max_tokens}")
         if not 0 <= self.spin_us <= 1e6:
             raise ConfigError(f"--spin-us: must be within [0, 1000000], got {self.spin_us:g}")
+        if self.compute_port is not None and not 0 <= self.compute_port <= 65535:
+            raise ConfigError(f"--compute-port: expected a port in [0, 65535] or 'off', got {self.compute_port}")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ConfigError("--tls-cert and --tls-key go together")

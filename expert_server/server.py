@@ -19,6 +19,7 @@ from grpc_reflection.v1alpha import reflection
 from expert_server.config import ServerConfig
 from expert_server.drain import CallActivity, StreamActivity
 from expert_server.executor import ExpertExecutor
+from expert_server.native_compute import NativeCompute
 from expert_server.shm_session import ShmSession
 from expert_server.tracing import CallTracer
 from services.common import shm_layout as shm
@@ -36,14 +37,15 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
     def __init__(self, cfg: ServerConfig, model_type: str, top_k: int):
         self.cfg, self.model_type, self.top_k = cfg, model_type, top_k
         self.executor: ExpertExecutor | None = None
+        self.compute: NativeCompute | None = None  # Compute's grpc++ server on a port of its own
         self.nbytes = 0
         self.draining = threading.Event()
         self.activity = CallActivity()
         self._sessions: set[ShmSession] = set()
         self._lock = threading.Lock()
 
-    def ready(self, executor: ExpertExecutor, nbytes: int) -> None:
-        self.executor, self.nbytes = executor, nbytes
+    def ready(self, executor: ExpertExecutor, nbytes: int, compute: NativeCompute | None = None) -> None:
+        self.executor, self.nbytes, self.compute = executor, nbytes, compute
 
     def _serving(self, context) -> ExpertExecutor:
         if self.executor is None:
@@ -60,7 +62,7 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
             model_type=self.model_type, layers=sorted(ex.layers), format=self.cfg.format,
             isa=tandem_native.active_isa(), threads=self.cfg.threads, memory_bytes=self.nbytes,
             hidden_size=ex.hidden, num_experts=ex.num_experts, top_k=self.top_k, host_id=shm.host_id(),
-            max_tokens=self.cfg.max_tokens,
+            max_tokens=self.cfg.max_tokens, compute_port=self.compute.port if self.compute else 0,
         )
 
     def Compute(self, request_iterator, context):
@@ -127,12 +129,16 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
         QUIET_S (or deadline, time.monotonic()), then ends the sessions, each after its call in hand."""
         since = time.monotonic()
         self.draining.set()
+        if self.compute is not None:
+            self.compute.drain()
         if not self.activity.wait_quiet(since, deadline):
-            log.warning("drain: calls still coming at the end of the drain time; ending their streams")
+            log.warning("drain: streams not yet quiet at the end of the drain time; ending them")
         with self._lock:
             sessions = list(self._sessions)
         for session in sessions:
             session.stop()
+        if self.compute is not None:
+            self.compute.stop()
 
 
 def credentials(cfg: ServerConfig):

@@ -17,6 +17,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "compute_server.h"
 #include "copy.h"
 #include "tandem/v1/expert.grpc.pb.h"
 
@@ -228,7 +229,7 @@ private:
 }  // namespace
 
 PYBIND11_MODULE(tandem_grpc, m) {
-    m.doc() = "The inline expert-call stream on grpc++ (the caller's thread drives it, GIL released)";
+    m.doc() = "The inline expert-call stream on grpc++: its client (the caller's thread drives it, GIL released) and server";
     gpr_set_log_function(log_line);
     static py::exception<RpcFailure> failure(m, "RpcFailure");
     py::register_exception_translator([](std::exception_ptr p) {
@@ -248,4 +249,5 @@ PYBIND11_MODULE(tandem_grpc, m) {
         .def("wait", &InlineStream::wait, py::arg("timeout_s") = 120.0, "(out [T, D], compute seconds) of the next answer")
         .def("close", &InlineStream::close)
         .def_property_readonly("dead", &InlineStream::dead);
+    tandem::register_compute_server(m);
 }

@@ -28,6 +28,7 @@
 #include "binding_util.h"
 #include "copy.h"
 #include "doorbell.h"
+#include "tandem/executor_api.h"
 
 namespace tandem {
 
@@ -138,7 +139,52 @@ public:
 
     int max_tokens() const { return max_tokens_; }
 
+    // This executor as a C table (executor_api.h) in a capsule that holds self (this executor's
+    // Python object) alive while it lives.
+    py::object api(py::object self) {
+        api_ = {TANDEM_EXECUTOR_API_VERSION, this, uint32_t(hidden_), &api_check, &api_run};
+        PyObject* capsule = PyCapsule_New(&api_, TANDEM_EXECUTOR_API_NAME, [](PyObject* c) {
+            Py_XDECREF(static_cast<PyObject*>(PyCapsule_GetContext(c)));
+        });
+        if (capsule == nullptr) throw py::error_already_set();
+        PyCapsule_SetContext(capsule, self.inc_ref().ptr());
+        return py::reinterpret_steal<py::object>(capsule);
+    }
+
 private:
+    // An exception as the table's status and message: ValueError-like ones are INVALID_ARGUMENT.
+    template <typename F>
+    static int guarded(char* message, size_t cap, F&& f) {
+        int status = 0;
+        std::string what;
+        try {
+            f();
+        } catch (const Invalid& e) {
+            status = layout::kInvalidArgument, what = e.what();
+        } catch (const std::exception& e) {
+            status = layout::kInternal, what = e.what();
+        }
+        if (status && cap) {
+            const size_t n = std::min(what.size(), cap - 1);
+            std::memcpy(message, what.data(), n);
+            message[n] = 0;
+        }
+        return status;
+    }
+
+    static int api_check(void* self, int64_t layer, int64_t tokens, int64_t hidden, int64_t top_k, char* message,
+                         size_t cap) {
+        return guarded(message, cap, [&] { static_cast<Executor*>(self)->check(layer, tokens, hidden, top_k); });
+    }
+
+    static int api_run(void* self, int64_t layer, const void* x, void* out, int bf16, const int64_t* ids,
+                       const float* weights, int tokens, int top_k, char* message, size_t cap) {
+        return guarded(message, cap, [&] {
+            static_cast<Executor*>(self)->run(layer, x, out, bf16 != 0, ids, weights, tokens, top_k);
+        });
+    }
+
+    TandemExecutorApi api_{};
     py::dict keep_;
     py::object pool_obj_;
     ThreadPool* pool_;
@@ -542,7 +588,9 @@ void register_expert_sessions(py::module_& m) {
         .def("check", &Executor::check, py::arg("layer"), py::arg("tokens"), py::arg("hidden"), py::arg("top_k"),
              "ValueError naming the field unless a call of this header can run here")
         .def("run", &executor_run, py::arg("layer"), py::arg("x"), py::arg("ids"), py::arg("weights"), py::arg("out"),
-             "out [T, D] = the layer's experts of x [T, D] (float32, or bfloat16 bits in both)");
+             "out [T, D] = the layer's experts of x [T, D] (float32, or bfloat16 bits in both)")
+        .def_property_readonly("api", [](py::object self) { return self.cast<Executor&>().api(self); },
+                               "This executor as a C table for other native modules (tandem/executor_api.h)");
 
     py::class_<ShmServer>(m, "ShmServer")
         .def(py::init<py::buffer, py::object, uint32_t, double>(), py::arg("segment"), py::arg("executor"),

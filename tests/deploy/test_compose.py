@@ -77,6 +77,9 @@ def test_remote_expert_host_pair():
     command = remote["dense"]["command"]
     assert command[command.index("--transport") + 1] == "grpc"
     assert "50061:50061" in experts["expert-server"]["ports"]
+    expert_command = experts["expert-server"]["command"]
+    compute_port = expert_command[expert_command.index("--compute-port") + 1]
+    assert f"{compute_port}:{compute_port}" in experts["expert-server"]["ports"]  # clients are told this port
 
 
 @pytest.mark.parametrize("name", ["docker-compose.yml", "docker-compose.remote.yml", "docker-compose.expert-host.yml"])

@@ -53,17 +53,25 @@ def stub(server):
 
 
 NEEDS_GRPC_CPP = pytest.mark.skipif(not native_grpc(), reason="tandem_grpc not built (grpc++ is not installed)")
-INLINE_CLIENTS = [pytest.param("native", marks=NEEDS_GRPC_CPP), "grpcio"]
+# (client, server) of an inline stream: grpc++ or grpcio's client, to the grpc++ Compute server on its
+# own port or to the grpcio server's Compute on --listen's port
+INLINE_PATHS = [pytest.param(("native", "compute"), marks=NEEDS_GRPC_CPP),
+                pytest.param(("native", "listen"), marks=NEEDS_GRPC_CPP),
+                pytest.param(("grpcio", "compute"), marks=NEEDS_GRPC_CPP), ("grpcio", "listen")]
 # routes, as (transport, grpc_client) of RemoteConfig: shared memory, inline on grpc++, inline on grpcio
 REMOTE_PATHS = [("shm", "auto"), pytest.param(("grpc", "native"), marks=NEEDS_GRPC_CPP), ("grpc", "grpcio")]
 
 
-@pytest.fixture(params=INLINE_CLIENTS)
+@pytest.fixture(params=INLINE_PATHS, ids="-".join)
 def inline(request, server, stub):
-    """Makes inline transports to the module's server on one client (grpc++ or grpcio)."""
-    if request.param == "native":
-        return lambda: NativeInlineTransport(f"127.0.0.1:{server.port}", 30.0)
-    return lambda: GrpcioInlineTransport(stub, 30.0)
+    """Makes inline transports to the module's server on one client and one of its two Compute servers."""
+    client, side = request.param
+    address = f"127.0.0.1:{server.servicer.compute.port if side == 'compute' else server.port}"
+    if client == "native":
+        return lambda: NativeInlineTransport(address, 30.0)
+    channel = grpc.insecure_channel(address)
+    request.addfinalizer(channel.close)
+    return lambda: GrpcioInlineTransport(pb_grpc.ExpertServiceStub(channel), 30.0)
 
 
 def inputs(cfg, tokens, seed=0):

@@ -98,6 +98,7 @@ def run_cli(*args):
     (["--format", "fp8"], "--format"),
     (["--tls-cert", "/x.pem"], "--tls-key"),
     (["--spin-us", "-1"], "--spin-us"),
+    (["--compute-port", "fast"], "--compute-port"),
 ])
 def test_bad_command_line_is_a_clear_error(args, message):
     if "--model" not in args:

@@ -80,6 +80,7 @@ class ExpertServerClient:
         self.use_shm = rc.transport == "shm" or (rc.transport == "auto" and self.info.host_id == shm.host_id())
         self.capacity = min(rc.max_tokens, self.info.max_tokens)
         self._transport = None
+        self._info_stale = False  # once a transport was opened: a reconnect asks for the info again
         self._lock = threading.Lock()
 
     def transport(self, layer: int):
@@ -111,7 +112,20 @@ class ExpertServerClient:
         rc = self.rc
         root = rc.tls_root.read_bytes() if rc.tls_root is not None else None
         native = {"auto": None, "native": True, "grpcio": False}[rc.grpc_client]
-        return inline_transport(self.stub, rc.timeout_s, self.address, root, rc.connect_timeout_s, native)
+        address = self._compute_address() if native is not False and native_grpc() else self.address
+        return inline_transport(self.stub, rc.timeout_s, address, root, rc.connect_timeout_s, native)
+
+    def _compute_address(self) -> str:
+        """Where the grpc++ client opens its stream: the server's own grpc++ Compute port when it has
+        one (asked anew on a reconnect, as a restarted server may have another), else its address."""
+        if self._info_stale:
+            try:
+                self.info = self.stub.GetInfo(pb.GetInfoRequest(), timeout=self.rc.connect_timeout_s)
+            except grpc.RpcError as exc:
+                raise rpc_error(-1, exc) from exc
+        self._info_stale = True
+        port = self.info.compute_port
+        return f"{self.address.rsplit(':', 1)[0]}:{port}" if port else self.address
 
     def serving(self, timeout_s: float = 1.0) -> bool:
         """Whether the server answers its grpc.health.v1 check with SERVING."""

@@ -5,11 +5,13 @@ Measured in one run, side by side:
             T=1 and T=128 tokens of D=7168 (DeepSeek-V3's hidden size), K=8, x in float32 and bf16:
             in-process (NativeExperts.submit/wait as they are, with tandem_native.moe_submit swapped
             for out[...] = x: the backend's own tensor conversions, no kernel), shared memory
-            (RemoteExperts transport=shm) and inline gRPC over loopback (transport=grpc), both
+            (RemoteExperts transport=shm) and inline gRPC over loopback (transport=grpc: grpc++ at
+            both ends where tandem_grpc is built, the server's Compute on its own port), both
             against a `python -m expert_server --echo` child (it returns x unchanged, after the same
-            copy); and grpc-floor, grpcio by itself: the same request's bytes echoed over a
-            bytes-only stream by a bench/_grpc_echo.py child, the least any Python gRPC path pays
-            on this machine. Thousands of calls each, after warm-up.
+            copy); grpcio, the same on grpcio's client and the server's grpcio Compute; and
+            grpc-floor, grpcio by itself: the same request's bytes echoed over a bytes-only stream
+            by a bench/_grpc_echo.py child, the least a path through grpcio at both ends pays on
+            this machine. Thousands of calls each, after warm-up.
   decode    tokens/s decoding greedily on the bench checkpoint (bench/checkpoint.py: qwen3_moe,
             hidden 2048, 64 experts, top-8, 6 layers) with int4 experts: a co-located expert server
             child (shm, --threads 2, from the packed store) against NativeExperts in-process
@@ -273,8 +275,9 @@ PATHS = ("in-process", "shm", "grpc", "grpcio", "grpc-floor")
 PATH_NOTES = {
     "in-process": "NativeExperts.submit/wait, kernel swapped for out[...]=x",
     "shm": "RemoteExperts transport=shm -> echo server child",
-    "grpc": "RemoteExperts transport=grpc (loopback, grpc++ client where tandem_grpc is built) -> echo server child",
-    "grpcio": "the same on grpcio's client (--grpc-client grpcio)",
+    "grpc": "RemoteExperts transport=grpc (loopback; where tandem_grpc is built grpc++ at both ends: the client, "
+            "and the server's Compute on its own port) -> echo server child",
+    "grpcio": "the same on grpcio's client (--grpc-client grpcio), to the server's grpcio Compute",
     "grpc-floor": "grpcio alone: the same request's bytes echoed by a bytes-only stream (bench/_grpc_echo.py)",
 }
 

@@ -211,6 +211,9 @@ def test_client_takes_cpu_tensors_as_they_are_and_refuses_others(session, execut
     out = np.empty_like(x)
     assert session.client.finish(seq, 50.0, 10.0, out)[0] == 0
     assert np.array_equal(out, expected)
+    subclass = torch.nn.Parameter(torch.from_numpy(x), requires_grad=False)  # a Tensor subclass
+    seq = session.client.submit(LAYER, subclass, torch.from_numpy(ids), torch.from_numpy(w))
+    assert session.client.finish(seq, 50.0, 10.0, out)[0] == 0 and np.array_equal(out, expected)
     strided = torch.from_numpy(np.ascontiguousarray(x.T)).T
     for args, field in [((strided, torch.from_numpy(ids), torch.from_numpy(w)), "x"),
                         ((torch.from_numpy(x).double(), torch.from_numpy(ids), torch.from_numpy(w)), "x"),

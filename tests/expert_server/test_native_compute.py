@@ -4,6 +4,7 @@ T tokens, D hidden size, K experts per token.
 """
 
 import grpc
+import numpy as np
 import pytest
 import torch
 from opentelemetry.sdk.trace import TracerProvider
@@ -141,3 +142,43 @@ def test_compute_port_flag_is_a_port_or_off():
     for bad in ("x", "70000", "-1"):
         with pytest.raises(ConfigError, match="--compute-port"):
             ServerConfig(model=checkpoint("qwen3_moe"), compute_port=parse_port(bad))
+
+
+def random_request(rng, cfg, moe) -> pb.ComputeRequest:
+    """A call with each part valid or broken at random: dtype codes, shapes, byte counts, layer, ids."""
+    t, k = int(rng.integers(0, 4)), int(rng.integers(0, cfg.moe.top_k + 2))
+    d = cfg.hidden_size if rng.random() < 0.7 else int(rng.integers(0, 2 * cfg.hidden_size))
+
+    def tensor(dtype, shape, itemsize, fill):
+        shape = shape if rng.random() < 0.8 else [int(n) for n in rng.integers(-2, 9, size=int(rng.integers(0, 4)))]
+        n = max(0, int(np.prod(shape))) * itemsize if rng.random() < 0.8 else int(rng.integers(0, 64))
+        return pb.Tensor(dtype=dtype if rng.random() < 0.8 else int(rng.integers(0, 6)), shape=shape,
+                         data=fill(n))
+
+    ids = lambda n: rng.integers(-1, cfg.moe.num_experts + 1, size=n // 8, dtype=np.int64).tobytes()
+    floats = lambda n: rng.standard_normal(n // 4, dtype=np.float32).tobytes()
+    return pb.ComputeRequest(
+        layer=moe[0] if rng.random() < 0.7 else int(rng.integers(0, 2**32)),
+        x=tensor(pb.FLOAT32, [t, d], 4, floats), ids=tensor(pb.INT64, [t, k], 8, ids),
+        weights=tensor(pb.FLOAT32, [t, k], 4, floats))
+
+
+def test_random_calls_get_ok_or_invalid_argument_and_the_server_keeps_serving(server, model):
+    _, cfg, moe = model
+    rng = np.random.default_rng(0)
+    codes = {}
+    with grpc.insecure_channel(f"127.0.0.1:{server.servicer.compute.port}") as channel:
+        stub = pb_grpc.ExpertServiceStub(channel)
+        for _ in range(300):
+            try:
+                (answer,) = stub.Compute(iter([random_request(rng, cfg, moe)]), timeout=10)
+                codes["OK"] = codes.get("OK", 0) + 1
+                assert len(answer.out.data) == answer.out.shape[0] * answer.out.shape[1] * 4
+            except grpc.RpcError as exc:
+                assert exc.code() == grpc.StatusCode.INVALID_ARGUMENT, exc
+                codes[exc.details().split(":")[0]] = codes.get(exc.details().split(":")[0], 0) + 1
+    assert codes.get("OK", 0) > 0 and len(codes) > 6, codes  # both outcomes, many fields named
+    x, ids, w = inputs(cfg, 2)
+    t = NativeInlineTransport(f"127.0.0.1:{server.servicer.compute.port}", 30.0)
+    assert torch.isfinite(t.wait(t.submit(moe[0], x, ids, w))[0]).all()
+    t.close()

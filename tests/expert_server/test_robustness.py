@@ -353,4 +353,4 @@ def test_native_stream_checks_its_arrays_and_names_the_argument(server, model):
 def test_native_stream_to_no_server_is_unavailable():
     with pytest.raises(ExpertBackendError) as info:
         NativeInlineTransport("127.0.0.1:1", 5.0, connect_timeout_s=5.0)
-    assert info.value.code == "UNAVAILABLE"
+    assert info.value.code == "UNAVAILABLE" and "127.0.0.1:1" in info.value.cause

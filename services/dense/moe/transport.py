@@ -198,7 +198,8 @@ class NativeInlineTransport:
         try:
             self._stream = tandem_grpc.InlineStream(address, (tls_root or b"").decode(), 256 << 20, connect_timeout_s)
         except tandem_grpc.RpcFailure as exc:
-            raise ExpertBackendError(-1, exc.args[1] or exc.args[0], exc.args[0]) from exc
+            code, details = exc.args
+            raise ExpertBackendError(-1, f"Compute stream to {address}: {details or code}", code) from exc
 
     def submit(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, trace: str = "",
                each: bool = False):

@@ -18,6 +18,11 @@ QUIET_S = 0.5  # no call for this long after SIGTERM: no call is in flight
 POLL_S = 0.02  # how often a drain looks at the streams
 
 
+def quiet(busy: bool, last_end: float, now: float, since: float, quiet_s: float) -> bool:
+    """No call under way and none ended within quiet_s of now (counting from since at the earliest)."""
+    return not busy and now - max(last_end, since) >= quiet_s
+
+
 class StreamActivity:
     """One stream's or session's calls, marked by the thread that answers them."""
 
@@ -36,7 +41,7 @@ class StreamActivity:
     mark = end  # a call begun and ended elsewhere (a session's, answered in C++)
 
     def quiet(self, now: float, since: float, quiet_s: float) -> bool:
-        return not self.busy and now - max(self.last_end, since) >= quiet_s
+        return quiet(self.busy, self.last_end, now, since, quiet_s)
 
 
 class CallActivity:

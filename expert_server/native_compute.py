@@ -14,22 +14,15 @@ import logging
 import threading
 
 from expert_server.config import ServerConfig
-from expert_server.drain import CallActivity
+from expert_server.drain import CallActivity, quiet
 from expert_server.executor import ExpertExecutor
 from expert_server.tracing import CallTracer
 from services.common.errors import ConfigError
+from services.common.grpc_defaults import native_grpc
 
 log = logging.getLogger(__name__)
 MAX_MESSAGE_BYTES = 256 << 20
 MAX_THREADS = 64  # one a stream, and grpc++'s pollers
-
-
-def available() -> bool:
-    try:
-        import tandem_grpc  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 class NativeActivity:
@@ -40,7 +33,7 @@ class NativeActivity:
 
     def quiet(self, now: float, since: float, quiet_s: float) -> bool:
         busy, last_end = self.server.activity()
-        return not busy and now - max(last_end, since) >= quiet_s
+        return quiet(busy, last_end, now, since, quiet_s)
 
 
 class NativeCompute:
@@ -88,7 +81,7 @@ def start(cfg: ServerConfig, executor: ExpertExecutor, activity: CallActivity) -
     served on --listen's port only); an explicit port without tandem_grpc is a ConfigError."""
     if cfg.compute_port is None:
         return None
-    if not available():
+    if not native_grpc():
         if cfg.compute_port:
             raise ConfigError(f"--compute-port {cfg.compute_port}: tandem_grpc was not built (grpc++ is not installed)")
         log.info("tandem_grpc not built: Compute is served on %s only", cfg.listen)

@@ -19,3 +19,12 @@ EXPERIMENTS = "-event_engine_client,-event_engine_listener,-event_engine_for_all
 
 def apply() -> None:
     os.environ.setdefault("GRPC_EXPERIMENTS", EXPERIMENTS)
+
+
+def native_grpc() -> bool:
+    """Whether tandem_grpc (the inline stream's grpc++ client and server, native/grpc) was built here."""
+    try:
+        import tandem_grpc  # noqa: F401
+    except ImportError:
+        return False
+    return True

@@ -26,6 +26,7 @@ import torch
 from services.common import shm_layout as shm
 from services.common import wire
 from services.common.errors import ExpertBackendError
+from services.common.grpc_defaults import native_grpc
 from tandem.v1 import expert_pb2 as pb
 
 _STATUS = {0: "OK", 3: "INVALID_ARGUMENT", 13: "INTERNAL"}
@@ -293,15 +294,6 @@ class GrpcioInlineTransport:
         self.dead.set()
         self._queue.put(None)
         self._call.cancel()
-
-
-def native_grpc() -> bool:
-    """Whether tandem_grpc (the grpc++ client) was built here."""
-    try:
-        import tandem_grpc  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def inline_transport(stub, timeout_s: float, address: str | None = None, tls_root: bytes | None = None,

@@ -142,7 +142,7 @@ public:
     // This executor as a C table (executor_api.h) in a capsule that holds self (this executor's
     // Python object) alive while it lives.
     py::object api(py::object self) {
-        api_ = {TANDEM_EXECUTOR_API_VERSION, this, uint32_t(hidden_), &api_check, &api_run};
+        api_ = {TANDEM_EXECUTOR_API_VERSION, this, &api_check, &api_run};
         PyObject* capsule = PyCapsule_New(&api_, TANDEM_EXECUTOR_API_NAME, [](PyObject* c) {
             Py_XDECREF(static_cast<PyObject*>(PyCapsule_GetContext(c)));
         });

@@ -18,7 +18,6 @@ extern "C" {
 struct TandemExecutorApi {
     uint32_t version;
     void* self;
-    uint32_t hidden;  // D
     // A call's header, before any of its data is touched.
     int (*check)(void* self, int64_t layer, int64_t tokens, int64_t hidden, int64_t top_k, char* message, size_t cap);
     // out [T, D] = the layer's weighted experts of x [T, D], both float32 or both bfloat16 bits (bf16 != 0);

@@ -74,6 +74,9 @@ class NativeCompute:
         self.server.stop(0.0)
         self._watch.close()
         self._spans.join(5.0)
+        if self.server.dropped_records:
+            log.warning("tracing: %d traced calls got no span (their records outran the span thread)",
+                        self.server.dropped_records)
 
 
 def start(cfg: ServerConfig, executor: ExpertExecutor, activity: CallActivity) -> NativeCompute | None:

@@ -242,8 +242,8 @@ def check(path: Path, name: str) -> dict:
         for e in range(cfg.moe.num_experts):
             gate, up, down = cfg.expert_tensor_names(layer, e)
             for tensor, shape in ((gate, (inter, d)), (up, (inter, d)), (down, (d, inter))):
-                if tuple(ckpt.info(tensor).shape) != shape:
-                    raise CheckpointError(f"{path}: {tensor} has shape {ckpt.info(tensor).shape}, expected {shape}")
+                if ckpt.shape(tensor) != shape:
+                    raise CheckpointError(f"{path}: {tensor} has shape {ckpt.shape(tensor)}, expected {shape}")
                 routed.add(tensor)
     runtime = DenseRuntime(dtype="bfloat16", device="cpu")
     MoeDecoder(cfg, WeightLoader(ckpt, runtime.torch_dtype, runtime.torch_device), NoExperts())
@@ -258,7 +258,7 @@ def check(path: Path, name: str) -> dict:
     vocab = Tokenizer(path).vocab_size
     if vocab > cfg.vocab_size:
         raise CheckpointError(f"{path}: the tokenizer has {vocab} tokens, the model {cfg.vocab_size}")
-    return {"tensors": len(ckpt.tensors), "routed": len(routed), "dense": len(dense), "layers": cfg.num_layers,
+    return {"tensors": len(list(ckpt.names())), "routed": len(routed), "dense": len(dense), "layers": cfg.num_layers,
             "hidden": d, "experts": cfg.moe.num_experts, "top_k": cfg.moe.top_k, "moe_intermediate": inter}
 
 

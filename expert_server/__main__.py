@@ -89,9 +89,11 @@ def convert(args: argparse.Namespace) -> int:
     checkpoint = Checkpoint(args.model)
     model_cfg = parse_model_config(checkpoint.config)
     layers = store.moe_layers(model_cfg, parse_layers(args.layers))
-    store.convert(checkpoint, model_cfg, layers, args.format, args.group_size,
-                  tandem_native.ThreadPool(args.threads), args.out)
-    print(f"wrote {args.out}: {len(layers)} layers in {args.format}", file=sys.stderr)
+    print(f"converting {len(layers)} MoE layers of {checkpoint.dir} ({checkpoint.source.kind}) to {args.format}",
+          file=sys.stderr, flush=True)
+    report = store.convert(checkpoint, model_cfg, layers, args.format, args.group_size,
+                           tandem_native.ThreadPool(args.threads), args.out)
+    print(f"wrote {args.out}: {len(layers)} layers in {args.format}; {report}", file=sys.stderr)
     return 0
 
 

@@ -1,21 +1,24 @@
 """Where the expert server's packed experts come from: the checkpoint (packed at load) or a store.
 
 A packed store is one file written by `convert`:
-    0     magic b"TNDSTORE", u32 version, u32 length of the JSON header that follows
-    16    JSON header: source fingerprint, model type, format, group size, and per layer its offset
-          and byte count
-    then  each layer's packed buffer (tandem_native's own layout, with its own header), 4 KiB aligned
+    0      magic b"TNDSTORE", u32 version, u32 length of the JSON header that follows
+    16     JSON header: source fingerprint, model type, format, group size asked for, and per layer
+           its offset (from 1 MiB) and byte count
+    1 MiB  each layer's packed buffer (tandem_native's own layout, with its own header: a layer
+           imported from a quantized checkpoint keeps that checkpoint's group size and levels),
+           4 KiB aligned; the layers are written as they are packed and the header last
 It is memory-mapped back read-only: the kernels read the pages in place, nothing is copied.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import mmap
 import os
+import resource
 import struct
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,9 +31,10 @@ from services.common.expert_weights import pack_layer
 from services.common.model_config import ModelConfig
 
 STORE_MAGIC = b"TNDSTORE"
-STORE_VERSION = 1
+STORE_VERSION = 2
 _PREFIX = struct.Struct("<8sII")
 _PAGE = 4096
+_MAX_HEADER = 1 << 20  # the header's room: the layers start after it
 
 
 @dataclass
@@ -77,46 +81,70 @@ def check_memory(need: int, available: int) -> None:
         )
 
 
-def fingerprint(checkpoint: Checkpoint) -> str:
-    """A digest of config.json and every safetensors file's name, size and header (not the data)."""
-    h = hashlib.sha256((checkpoint.dir / "config.json").read_bytes())
-    for path in sorted(checkpoint.dir.glob("*.safetensors")):
-        with open(path, "rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            h.update(f"{path.name}:{path.stat().st_size}:".encode())
-            h.update(f.read(min(n, 100 << 20)))
-    return h.hexdigest()
+def source_bytes(checkpoint: Checkpoint, cfg: ModelConfig, layers: list[int]) -> int:
+    """Bytes of the routed experts' stored tensors in these layers: what packing them reads."""
+    names = (n for layer in layers for e in range(cfg.moe.num_experts) for n in cfg.expert_tensor_names(layer, e))
+    return sum(checkpoint.stored_bytes(n) for n in names)
+
+
+def _bar(checkpoint: Checkpoint, cfg: ModelConfig, layers: list[int], desc: str) -> tqdm:
+    """A progress bar over the bytes read (rate and ETA), on stderr."""
+    return tqdm(total=source_bytes(checkpoint, cfg, layers), desc=desc, unit="B", unit_scale=True,
+                unit_divisor=1024, file=sys.stderr, mininterval=1.0)
 
 
 def pack_from_checkpoint(checkpoint: Checkpoint, cfg: ModelConfig, layers: list[int], fmt: str, group: int, pool):
-    """Quantizes and packs each layer on the pool's threads, with a progress bar on stderr."""
+    """Quantizes (or imports) and packs each layer on the pool's threads, with a progress bar."""
     import tandem_native
 
     packed = {}
-    for layer in tqdm(layers, desc=f"packing experts ({fmt})", unit="layer", file=sys.stderr):
-        packed[layer] = tandem_native.MoeLayer(pack_layer(checkpoint, cfg, layer, fmt, group, pool))
+    with _bar(checkpoint, cfg, layers, f"packing experts ({fmt})") as bar:
+        for layer in layers:
+            packed[layer] = tandem_native.MoeLayer(pack_layer(checkpoint, cfg, layer, fmt, group, pool, bar.update))
     return ExpertLayers(packed, fmt, sum(layer.nbytes for layer in packed.values()))
 
 
-def convert(checkpoint: Checkpoint, cfg: ModelConfig, layers: list[int], fmt: str, group: int, pool, out: Path) -> None:
+@dataclass(frozen=True)
+class ConvertReport:
+    read_bytes: int
+    written_bytes: int
+    seconds: float
+    peak_rss: int  # of this process, bytes
+
+    def __str__(self) -> str:
+        gb = 1e9
+        return (f"read {self.read_bytes / gb:.2f} GB in {self.seconds:.1f} s ({self.read_bytes / gb / self.seconds:.2f} GB/s), "
+                f"wrote {self.written_bytes / gb:.2f} GB, peak RSS {self.peak_rss / 2**30:.2f} GiB")
+
+
+def peak_rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def convert(checkpoint: Checkpoint, cfg: ModelConfig, layers: list[int], fmt: str, group: int, pool,
+            out: Path) -> ConvertReport:
     """Writes a packed store for these layers, one layer in memory at a time (atomically: a
     temporary file, then a rename)."""
-    nbytes = packed_bytes(cfg, fmt, group, [0])
-    index = [{"layer": layer, "offset": i * -(-nbytes // _PAGE) * _PAGE, "nbytes": nbytes} for i, layer in enumerate(layers)]
-    header = json.dumps({
-        "source": fingerprint(checkpoint), "family": cfg.family, "format": fmt, "group_size": group,
-        "layers": index,
-    }).encode()
-    data_start = -(-(_PREFIX.size + len(header)) // _PAGE) * _PAGE
+    start = time.monotonic()
+    buffers = {}
     tmp = out.with_name(out.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(_PREFIX.pack(STORE_MAGIC, STORE_VERSION, len(header)) + header)
-        for entry in tqdm(index, desc=f"converting experts ({fmt})", unit="layer", file=sys.stderr):
-            buf = pack_layer(checkpoint, cfg, entry["layer"], fmt, group, pool)
-            f.seek(data_start + entry["offset"])
+    with open(tmp, "wb") as f, _bar(checkpoint, cfg, layers, f"converting experts ({fmt})") as bar:
+        for layer in layers:  # each layer's own group size and levels may differ (imported ones keep theirs)
+            buf = pack_layer(checkpoint, cfg, layer, fmt, group, pool, bar.update)
+            f.seek(max(_MAX_HEADER, -(-f.tell() // _PAGE) * _PAGE))
+            buffers[layer] = {"layer": layer, "offset": f.tell() - _MAX_HEADER, "nbytes": len(buf)}
             f.write(buf.data)
-        f.truncate(data_start + index[-1]["offset"] + nbytes)
+        header = json.dumps({
+            "source": checkpoint.fingerprint(), "family": cfg.family, "format": fmt, "group_size": group,
+            "layers": list(buffers.values()),
+        }).encode()
+        if _PREFIX.size + len(header) > _MAX_HEADER:
+            raise ConfigError(f"{out}: the store header ({len(header)} bytes) outgrew its {_MAX_HEADER} bytes")
+        f.seek(0)
+        f.write(_PREFIX.pack(STORE_MAGIC, STORE_VERSION, len(header)) + header)
+        read = bar.n
     os.replace(tmp, out)
+    return ConvertReport(read, out.stat().st_size, time.monotonic() - start, peak_rss())
 
 
 def read_header(mm: mmap.mmap, path: Path) -> tuple[dict, int]:
@@ -129,7 +157,7 @@ def read_header(mm: mmap.mmap, path: Path) -> tuple[dict, int]:
         header = json.loads(bytes(mm[_PREFIX.size:_PREFIX.size + n]))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CheckpointError(f"{path}: corrupt store header: {exc}") from exc
-    return header, -(-(_PREFIX.size + n) // _PAGE) * _PAGE
+    return header, _MAX_HEADER
 
 
 def open_store(path: Path, checkpoint: Checkpoint, cfg: ModelConfig, layers: list[int], fmt: str,
@@ -143,7 +171,7 @@ def open_store(path: Path, checkpoint: Checkpoint, cfg: ModelConfig, layers: lis
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"{path}: cannot map the packed store: {exc}") from exc
     header, start = read_header(mm, path)
-    if header["source"] != fingerprint(checkpoint):
+    if header["source"] != checkpoint.fingerprint():
         raise CheckpointError(f"{path}: packed from a different checkpoint than {checkpoint.dir}")
     if header["format"] != fmt:
         raise ConfigError(f"--format {fmt} but the store {path} holds {header['format']}")

@@ -8,6 +8,7 @@
 #include <memory>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "binding_util.h"
 #include "dispatch.h"
@@ -44,20 +45,86 @@ Format parse_format(const std::string& name) {
     throw std::invalid_argument("fmt: unknown format '" + name + "' (bf16, int8, int4)");
 }
 
-py::array_t<uint8_t> pack_experts(py::array w13, py::array w2, const std::string& fmt, int group, ThreadPool& pool) {
+// The hidden and intermediate sizes and the group size a format takes; throws naming them.
+void check_dims(Format f, const std::string& fmt, int D, int I, int group) {
+    const int align = std::max(kBlock, block_cols(f));
+    if (D < 1 || I < 1 || D % align || I % align)
+        throw std::invalid_argument("hidden (" + std::to_string(D) + ") and intermediate (" + std::to_string(I) +
+                                    ") sizes must be multiples of " + std::to_string(align) + " for " + fmt);
+    if (f != Format::BF16 && (group < kBlock || group % kBlock || D % group || I % group))
+        throw std::invalid_argument("group_size: " + std::to_string(group) + " must be a multiple of 32 dividing hidden (" +
+                                    std::to_string(D) + ") and intermediate (" + std::to_string(I) + ")");
+}
+
+py::array_t<uint8_t> new_layer(const std::string& fmt, int E, int D, int I, int group, py::object levels) {
+    const Format f = parse_format(fmt);
+    if (E < 1) throw std::invalid_argument("experts: must be >= 1, got " + std::to_string(E));
+    check_dims(f, fmt, D, I, group);
+    std::vector<int8_t> table(kInt4Levels, kInt4Levels + 16);
+    if (!levels.is_none()) {
+        if (f != Format::INT4) throw std::invalid_argument("levels: only the int4 format has levels");
+        table = levels.cast<std::vector<int8_t>>();
+        if (table.size() != 16) throw std::invalid_argument("levels: expected 16 values, got " + std::to_string(table.size()));
+        for (int q = 0; q < 15; ++q)
+            if (table[q] >= table[q + 1]) throw std::invalid_argument("levels: must be strictly increasing");
+    }
+    const int g = f == Format::BF16 ? 0 : group;
+    py::array_t<uint8_t> out(py::ssize_t(layer_bytes(f, E, D, I, g)));
+    init_layer(f, E, D, I, g, table.data(), out.mutable_data());
+    return out;
+}
+
+// A layer buffer being filled: writable, its header valid (its scales not checked yet).
+MoeLayerView filling(py::array& buffer) {
+    check_array<uint8_t>(buffer, "buffer", "uint8", {-1});
+    if (!buffer.writeable()) throw std::invalid_argument("buffer: must be writable");
+    return MoeLayerView::parse(static_cast<const uint8_t*>(buffer.data()), size_t(buffer.shape(0)), false);
+}
+
+void pack_into(py::array buffer, int e0, py::array w13, py::array w2, ThreadPool& pool) {
+    const MoeLayerView v = filling(buffer);
+    check_array<float>(w13, "w13", "float32", {-1, 2 * v.intermediate, v.hidden});
+    const int n = int(w13.shape(0));
+    check_array<float>(w2, "w2", "float32", {n, v.hidden, v.intermediate});
+    if (e0 < 0 || n < 1 || e0 + n > v.experts)
+        throw std::invalid_argument("first_expert: experts [" + std::to_string(e0) + ", " + std::to_string(e0 + n) +
+                                    ") out of range [0, " + std::to_string(v.experts) + ")");
+    const float* a = static_cast<const float*>(w13.data());
+    const float* b = static_cast<const float*>(w2.data());
+    py::gil_scoped_release release;
+    pack_experts(pool, v, e0, e0 + n, a, b);
+}
+
+void put_codes_into(py::array buffer, int e, const std::string& matrix, int row0, py::array codes, py::array scales) {
+    const MoeLayerView v = filling(buffer);
+    if (v.format == Format::BF16) throw std::invalid_argument("buffer: a bf16 layer has no codes");
+    if (matrix != "w13" && matrix != "w2") throw std::invalid_argument("matrix: 'w13' or 'w2', got '" + matrix + "'");
+    if (e < 0 || e >= v.experts) throw std::invalid_argument("expert: " + std::to_string(e) + " out of range");
+    const Matrix m = matrix == "w2" ? v.w2(e) : v.w13(e);
+    check_array<uint8_t>(codes, "codes", "uint8", {-1, m.cols});
+    const int rows = int(codes.shape(0));
+    check_array<uint16_t>(scales, "scales", "uint16 (fp16 bits)", {rows, m.cols / m.group});
+    if (row0 < 0 || rows < 1 || row0 + rows > m.rows)
+        throw std::invalid_argument("row0: rows [" + std::to_string(row0) + ", " + std::to_string(row0 + rows) +
+                                    ") out of range [0, " + std::to_string(m.rows) + ")");
+    const uint8_t* c = static_cast<const uint8_t*>(codes.data());
+    if (v.format == Format::INT4 && std::any_of(c, c + size_t(rows) * m.cols, [](uint8_t q) { return q > 15; }))
+        throw std::invalid_argument("codes: int4 codes must be in [0, 15]");
+    put_codes(v, e, matrix == "w2", row0, rows, c, static_cast<const uint16_t*>(scales.data()));
+}
+
+py::array_t<uint8_t> py_pack_experts(py::array w13, py::array w2, const std::string& fmt, int group, ThreadPool& pool) {
     const Format f = parse_format(fmt);
     check_array<float>(w13, "w13", "float32", {-1, -1, -1});
     const int E = int(w13.shape(0)), I2 = int(w13.shape(1)), D = int(w13.shape(2));
     if (E < 1 || D < 1 || I2 < 2 || I2 % 2) throw std::invalid_argument("w13: shape " + shape_of(w13) + " is not [E, 2I, D]");
     const int I = I2 / 2;
     check_array<float>(w2, "w2", "float32", {E, D, I});
-    const int align = std::max(kBlock, block_cols(f));
-    if (D % align || I % align)
-        throw std::invalid_argument("w13: hidden (" + std::to_string(D) + ") and intermediate (" + std::to_string(I) +
-                                    ") sizes must be multiples of " + std::to_string(align) + " for " + fmt);
-    if (f != Format::BF16 && (group < kBlock || group % kBlock || D % group || I % group))
-        throw std::invalid_argument("group_size: " + std::to_string(group) + " must be a multiple of 32 dividing hidden (" +
-                                    std::to_string(D) + ") and intermediate (" + std::to_string(I) + ")");
+    try {
+        check_dims(f, fmt, D, I, group);
+    } catch (const std::invalid_argument& e) {
+        throw std::invalid_argument(std::string("w13: ") + e.what());
+    }
     const int g = f == Format::BF16 ? 0 : group;
     py::array_t<uint8_t> out(py::ssize_t(layer_bytes(f, E, D, I, g)));
     const float* a = static_cast<const float*>(w13.data());
@@ -136,13 +203,35 @@ PYBIND11_MODULE(tandem_native, m) {
         .def_property_readonly("hidden", [](const PyLayer& l) { return l.view.hidden; })
         .def_property_readonly("intermediate", [](const PyLayer& l) { return l.view.intermediate; })
         .def_property_readonly("group_size", [](const PyLayer& l) { return l.view.group; })
+        .def_property_readonly("levels", [](const PyLayer& l) {
+            return l.view.levels ? std::vector<int>(l.view.levels, l.view.levels + 16) : std::vector<int>();
+        })
         .def_property_readonly("nbytes", [](const PyLayer& l) {
             return layer_bytes(l.view.format, l.view.experts, l.view.hidden, l.view.intermediate, l.view.group);
         });
 
     py::class_<PyJob>(m, "MoeJob").def("wait", &PyJob::wait).def("done", [](PyJob& j) { return j.job->done(); });
 
-    m.def("pack_experts", &pack_experts, py::arg("w13"), py::arg("w2"), py::arg("fmt"), py::arg("group_size") = 32,
+    m.def("new_layer", &new_layer, py::arg("fmt"), py::arg("experts"), py::arg("hidden"), py::arg("intermediate"),
+          py::arg("group_size") = 32, py::arg("levels") = py::none(),
+          "An empty packed layer buffer (uint8) to fill with pack_into / put_codes; levels: int4's 16 int8 levels");
+    m.def("pack_into", &pack_into, py::arg("buffer"), py::arg("first_expert"), py::arg("w13"), py::arg("w2"),
+          py::arg("pool"), "Quantize float32 w13 [n, 2I, D] and w2 [n, D, I] into experts first_expert .. + n - 1");
+    m.def("put_codes", &put_codes_into, py::arg("buffer"), py::arg("expert"), py::arg("matrix"), py::arg("row0"),
+          py::arg("codes"), py::arg("scales"),
+          "Store already-quantized rows as they are: codes uint8 [rows, C], fp16 scales as uint16 [rows, C / G]");
+    m.def(
+        "dequantize",
+        [](const PyLayer& l, int e, const std::string& matrix) {
+            if (e < 0 || e >= l.view.experts) throw std::invalid_argument("expert: " + std::to_string(e) + " out of range");
+            if (matrix != "w13" && matrix != "w2") throw std::invalid_argument("matrix: 'w13' or 'w2', got '" + matrix + "'");
+            const Matrix m = matrix == "w2" ? l.view.w2(e) : l.view.w13(e);
+            py::array_t<float> out({py::ssize_t(m.rows), py::ssize_t(m.cols)});
+            dequantize(m, out.mutable_data());
+            return out;
+        },
+        py::arg("layer"), py::arg("expert"), py::arg("matrix"), "The float32 values of one packed matrix, [R, C]");
+    m.def("pack_experts", &py_pack_experts, py::arg("w13"), py::arg("w2"), py::arg("fmt"), py::arg("group_size") = 32,
           py::arg("pool"), "float32 w13 [E, 2I, D] and w2 [E, D, I] -> a packed layer buffer (uint8)");
     m.def(
         "packed_bytes",

@@ -31,9 +31,10 @@ size_t layer_bytes(Format f, int experts, int hidden, int intermediate, int grou
     return sizeof(Header) + size_t(experts) * expert_bytes(f, hidden, intermediate, group);
 }
 
-Matrix matrix_at(const uint8_t* base, Format f, int rows, int cols, int group) {
+Matrix matrix_at(const uint8_t* base, Format f, int rows, int cols, int group, const int8_t* levels) {
     Matrix m;
     m.data = base;
+    m.levels = f == Format::INT4 ? levels : nullptr;
     m.rows = rows;
     m.cols = cols;
     m.group = group;

@@ -4,6 +4,8 @@
 #include <array>
 #include <atomic>
 #include <cmath>
+#include <cstddef>
+#include <cstdlib>
 #include <cstring>
 #include <stdexcept>
 #include <string>
@@ -31,9 +33,15 @@ void check_scales(const MoeLayerView& v) {
         }
 }
 
+bool increasing(const int8_t* levels) {
+    for (int q = 0; q < 15; ++q)
+        if (levels[q] >= levels[q + 1]) return false;
+    return true;
+}
+
 }  // namespace
 
-MoeLayerView MoeLayerView::parse(const uint8_t* data, size_t size) {
+MoeLayerView MoeLayerView::parse(const uint8_t* data, size_t size, bool scales) {
     if (size < sizeof(Header)) throw std::invalid_argument("buffer: too small for a layer header");
     Header h;
     std::memcpy(&h, data, sizeof h);
@@ -49,9 +57,12 @@ MoeLayerView MoeLayerView::parse(const uint8_t* data, size_t size) {
         (quantized && (!h.group_size || h.group_size % kBlock || h.hidden % h.group_size ||
                        h.intermediate % h.group_size)))
         throw std::invalid_argument("buffer: inconsistent header (" + dims(h) + ")");
+    if (h.format == uint32_t(Format::INT4) && !increasing(h.levels))
+        throw std::invalid_argument("buffer: the int4 levels are not strictly increasing");
     MoeLayerView v;
     v.base = data;
     v.format = Format(h.format);
+    v.levels = v.format == Format::INT4 ? reinterpret_cast<const int8_t*>(data + offsetof(Header, levels)) : nullptr;
     v.experts = int(h.num_experts);
     v.hidden = int(h.hidden);
     v.intermediate = int(h.intermediate);
@@ -60,19 +71,19 @@ MoeLayerView MoeLayerView::parse(const uint8_t* data, size_t size) {
     if (h.total_bytes != need || size < need)
         throw std::invalid_argument("buffer: " + std::to_string(size) + " bytes, the header (" + dims(h) + ") needs " +
                                     std::to_string(need));
-    check_scales(v);
+    if (scales) check_scales(v);
     return v;
 }
 
 Matrix MoeLayerView::w13(int e) const {
     const uint8_t* p = base + sizeof(Header) + size_t(e) * expert_bytes(format, hidden, intermediate, group);
-    return matrix_at(p, format, 2 * intermediate, hidden, group);
+    return matrix_at(p, format, 2 * intermediate, hidden, group, levels);
 }
 
 Matrix MoeLayerView::w2(int e) const {
     const uint8_t* p = base + sizeof(Header) + size_t(e) * expert_bytes(format, hidden, intermediate, group) +
                        matrix_bytes(format, 2 * intermediate, hidden, group);
-    return matrix_at(p, format, hidden, intermediate, group);
+    return matrix_at(p, format, hidden, intermediate, group, levels);
 }
 
 // ---------------------------------------------------------------- packing
@@ -80,28 +91,32 @@ Matrix MoeLayerView::w2(int e) const {
 namespace {
 
 // Quantization of one group of n weights with one scale: int8 rounds w / scale to [-127, 127];
-// int4 picks the nearest of kInt4Levels (stored as its index).
+// int4 picks the nearest of the layer's levels (stored as its index).
 struct GroupQuantizer {
     static constexpr int kHalfRange = 512;  // the int4 code table spans v in [-256, 256)
     Format format;
+    const int8_t* levels;  // int4
+    float top = 127.f;     // the largest |level| (at most 127)
+    std::array<uint8_t, 2 * kHalfRange> table{};
+
+    GroupQuantizer(Format f, const int8_t* lv) : format(f), levels(lv) {
+        if (f != Format::INT4) return;
+        top = float(std::min(127, std::max(std::abs(int(lv[0])), std::abs(int(lv[15])))));
+        // Integer levels have midpoints at multiples of 1/2, so the nearest level is constant on each
+        // [k/2, (k+1)/2): a table indexed by floor(2v) gives it exactly.
+        for (int k = 0; k < 2 * kHalfRange; ++k) {
+            int q = 0;
+            while (q < 15 && 0.5f * (lv[q] + lv[q + 1]) <= 0.5f * (k - kHalfRange)) ++q;
+            table[k] = uint8_t(q);
+        }
+    }
 
     int code(float v) const {  // v = w / scale
         if (format == Format::INT8) return int(std::max(-127.f, std::min(127.f, std::nearbyint(v))));
-        // Level midpoints are multiples of 1/2, so the nearest level is constant on each
-        // [k/2, (k+1)/2): a table indexed by floor(2v) gives it exactly.
-        static const auto table = [] {
-            std::array<uint8_t, 2 * kHalfRange> t{};
-            for (int k = 0; k < 2 * kHalfRange; ++k) {
-                int q = 0;
-                while (q < 15 && 0.5f * (kInt4Levels[q] + kInt4Levels[q + 1]) <= 0.5f * (k - kHalfRange)) ++q;
-                t[k] = uint8_t(q);
-            }
-            return t;
-        }();
         const int k = int(std::floor(2.f * std::max(-256.f, std::min(255.f, v)))) + kHalfRange;
         return table[k];
     }
-    float level(int q) const { return format == Format::INT8 ? float(q) : float(kInt4Levels[q]); }
+    float level(int q) const { return format == Format::INT8 ? float(q) : float(levels[q]); }
 
     float error(const float* w, int n, float scale) const {
         const float inv = scale > 0.f ? 1.f / scale : 0.f;
@@ -128,10 +143,10 @@ struct GroupQuantizer {
     // The group's fp16 scale: amax / 127 for int8; for int4 the best of a few candidates and their
     // least-squares refits, since at 16 levels the choice matters.
     uint16_t scale(const float* w, int n, float amax) const {
-        uint16_t best = float_to_fp16(amax / 127.f);
+        uint16_t best = float_to_fp16(amax / top);
         if (format == Format::INT8) return best;
         float best_err = error(w, n, fp16_to_float(best));
-        const uint16_t narrow = float_to_fp16(amax / 110.f);
+        const uint16_t narrow = float_to_fp16(amax / (top * 110.f / 127.f));
         const float narrow_err = error(w, n, fp16_to_float(narrow));
         if (narrow_err < best_err) best = narrow, best_err = narrow_err;
         const uint16_t refit_scale = float_to_fp16(refit(w, n, fp16_to_float(best)));
@@ -139,8 +154,15 @@ struct GroupQuantizer {
     }
 };
 
+// Stores code q of column c of row r (int8: the value; int4: its nibble, format.h).
+void put_code(const Matrix& m, int r, int c, int q) {
+    uint8_t& byte = *const_cast<uint8_t*>(int_byte_at(m, r, c));
+    if (m.format == Format::INT8) byte = uint8_t(int8_t(q));
+    else byte = c % 8 < 4 ? uint8_t((byte & 0xf0) | q) : uint8_t((byte & 0x0f) | (q << 4));
+}
+
 // Quantizes row r of matrix m from its C float values; returns false on a non-finite value or scale.
-bool pack_row(const float* w, const Matrix& m, int r) {
+bool pack_row(const GroupQuantizer& quant, const float* w, const Matrix& m, int r) {
     const Format f = m.format;
     const int cols = m.cols, group = m.group;
     if (f == Format::BF16) {
@@ -152,7 +174,6 @@ bool pack_row(const float* w, const Matrix& m, int r) {
         }
         return ok;
     }
-    const GroupQuantizer quant{f};
     for (int g = 0; g < cols / group; ++g) {
         const float* wg = w + g * group;
         float amax = 0.f;
@@ -165,20 +186,14 @@ bool pack_row(const float* w, const Matrix& m, int r) {
         const float scale = fp16_to_float(stored);
         if (!std::isfinite(scale)) return false;
         const float inv = scale > 0.f ? 1.f / scale : 0.f;
-        for (int j = 0; j < group; ++j) {
-            const int q = quant.code(wg[j] * inv), c = g * group + j;
-            uint8_t& byte = *const_cast<uint8_t*>(int_byte_at(m, r, c));
-            if (f == Format::INT8) byte = uint8_t(int8_t(q));
-            else byte = c % 8 < 4 ? uint8_t((byte & 0xf0) | q) : uint8_t((byte & 0x0f) | (q << 4));  // format.h's nibbles
-        }
+        for (int j = 0; j < group; ++j) put_code(m, r, g * group + j, quant.code(wg[j] * inv));
     }
     return true;
 }
 
 }  // namespace
 
-void pack_layer(ThreadPool& pool, const float* w13, const float* w2, Format f, int experts, int hidden,
-                int intermediate, int group, uint8_t* dst) {
+void init_layer(Format f, int experts, int hidden, int intermediate, int group, const int8_t* levels, uint8_t* dst) {
     Header h{};
     std::memcpy(h.magic, kMagic, sizeof kMagic);
     h.version = kLayoutVersion;
@@ -188,29 +203,63 @@ void pack_layer(ThreadPool& pool, const float* w13, const float* w2, Format f, i
     h.hidden = uint32_t(hidden);
     h.intermediate = uint32_t(intermediate);
     h.total_bytes = layer_bytes(f, experts, hidden, intermediate, f == Format::BF16 ? 0 : group);
+    if (f == Format::INT4) std::memcpy(h.levels, levels ? levels : kInt4Levels, sizeof h.levels);
     std::memset(dst, 0, h.total_bytes);
     std::memcpy(dst, &h, sizeof h);
-    const MoeLayerView v = MoeLayerView::parse(dst, h.total_bytes);  // zeroed scales: finite
+}
+
+void pack_experts(ThreadPool& pool, const MoeLayerView& v, int e0, int e1, const float* w13, const float* w2) {
+    const int D = v.hidden, I = v.intermediate;
+    const GroupQuantizer quant(v.format, v.levels);
     std::atomic<int> bad{-1};
-    const int per_expert = 2 * intermediate + hidden;  // w13 rows, then w2 rows
+    const int per_expert = 2 * I + D;  // w13 rows, then w2 rows
     constexpr int kPackRows = 32;
+    const int blocks = (per_expert + kPackRows - 1) / kPackRows;
     pool.run([&] {
-        pool.parallel_for(experts * ((per_expert + kPackRows - 1) / kPackRows), [&](int task) {
-            const int blocks = (per_expert + kPackRows - 1) / kPackRows;
+        pool.parallel_for((e1 - e0) * blocks, [&](int task) {
             const int e = task / blocks, r0 = (task % blocks) * kPackRows;
             for (int r = r0; r < std::min(per_expert, r0 + kPackRows); ++r) {
-                const bool first = r < 2 * intermediate;
-                const Matrix m = first ? v.w13(e) : v.w2(e);
-                const int row = first ? r : r - 2 * intermediate;
-                const float* src = first ? w13 + (size_t(e) * 2 * intermediate + row) * hidden
-                                         : w2 + (size_t(e) * hidden + row) * intermediate;
-                if (!pack_row(src, m, row)) bad = first ? 0 : 1;
+                const bool first = r < 2 * I;
+                const Matrix m = first ? v.w13(e0 + e) : v.w2(e0 + e);
+                const int row = first ? r : r - 2 * I;
+                const float* src = first ? w13 + (size_t(e) * 2 * I + row) * D : w2 + (size_t(e) * D + row) * I;
+                if (!pack_row(quant, src, m, row)) bad = first ? 0 : 1;
             }
         });
     });
     if (bad >= 0)
         throw std::invalid_argument(std::string(bad == 0 ? "w13" : "w2") +
                                     ": non-finite value, or a scale beyond fp16's range");
+}
+
+void put_codes(const MoeLayerView& v, int e, bool w2, int row0, int rows, const uint8_t* codes, const uint16_t* scales) {
+    const Matrix m = w2 ? v.w2(e) : v.w13(e);
+    const int groups = m.cols / m.group;
+    for (int r = 0; r < rows; ++r) {
+        for (int c = 0; c < m.cols; ++c) put_code(m, row0 + r, c, codes[size_t(r) * m.cols + c]);
+        for (int g = 0; g < groups; ++g) *const_cast<uint16_t*>(int_scale_at(m, row0 + r, g)) = scales[size_t(r) * groups + g];
+    }
+}
+
+void dequantize(const Matrix& m, float* out) {
+    for (int r = 0; r < m.rows; ++r, out += m.cols)
+        for (int c = 0; c < m.cols; ++c) {
+            if (m.format == Format::BF16) {
+                const int width = block_cols(m.format);
+                out[c] = bf16_to_float(reinterpret_cast<const uint16_t*>(block_at(m, r, c / width))[c % width]);
+                continue;
+            }
+            const uint8_t byte = *int_byte_at(m, r, c);
+            const float level = m.format == Format::INT8 ? float(int8_t(byte)) : float(m.levels[c % 8 < 4 ? byte & 0x0f : byte >> 4]);
+            out[c] = fp16_to_float(*int_scale_at(m, r, c / m.group)) * level;
+        }
+}
+
+void pack_layer(ThreadPool& pool, const float* w13, const float* w2, Format f, int experts, int hidden,
+                int intermediate, int group, uint8_t* dst) {
+    init_layer(f, experts, hidden, intermediate, group, nullptr, dst);
+    const MoeLayerView v = MoeLayerView::parse(dst, layer_bytes(f, experts, hidden, intermediate, f == Format::BF16 ? 0 : group), false);
+    pack_experts(pool, v, 0, experts, w13, w2);
 }
 
 void int4_corrections(const int8_t* q, int cols, int32_t* out) {

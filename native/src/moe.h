@@ -12,10 +12,13 @@ namespace tandem {
 // A validated, read-only view of a packed layer buffer (see format.h).
 struct MoeLayerView {
     const uint8_t* base = nullptr;
+    const int8_t* levels = nullptr;  // int4: the header's 16 levels
     Format format = Format::BF16;
     int experts = 0, hidden = 0, intermediate = 0, group = 0;
 
-    static MoeLayerView parse(const uint8_t* data, size_t size);  // throws std::invalid_argument
+    // Throws std::invalid_argument; check_scales = false skips the walk over every scale (a buffer
+    // being filled expert by expert).
+    static MoeLayerView parse(const uint8_t* data, size_t size, bool check_scales = true);
     Matrix w13(int e) const;  // [2I, D]
     Matrix w2(int e) const;   // [D, I]
 };
@@ -31,8 +34,24 @@ struct MoeCall {
 
 void moe_forward(ThreadPool& pool, const KernelTable& kernels, const MoeCall& call);
 
-// Packs float32 expert weights (w13 [E, 2I, D], w2 [E, D, I]) into a layer buffer of
-// layer_bytes(...) bytes, on all threads of the pool.
+// Writes the header of an empty layer into dst (layer_bytes(...) bytes, zeroed after the header).
+// levels: int4's 16 levels, strictly increasing (null: kInt4Levels); ignored for other formats.
+void init_layer(Format f, int experts, int hidden, int intermediate, int group, const int8_t* levels, uint8_t* dst);
+
+// Quantizes float32 weights of experts [e0, e1) (w13 [e1 - e0, 2I, D], w2 [e1 - e0, D, I]) into
+// the layer on all threads of the pool, to the nearest of the layer's levels.
+void pack_experts(ThreadPool& pool, const MoeLayerView& layer, int e0, int e1, const float* w13, const float* w2);
+
+// Stores already-quantized rows [row0, row0 + rows) of expert e's w13 (or w2) as they are: codes
+// [rows][C] (int8 values, or int4 indices into the layer's levels, 0-15) and fp16 scales
+// [rows][C / G]. Arguments are validated by the caller.
+void put_codes(const MoeLayerView& layer, int e, bool w2, int row0, int rows, const uint8_t* codes,
+               const uint16_t* scales);
+
+// The float32 values a packed matrix stands for, [R][C] into out (the oracle of imports and tests).
+void dequantize(const Matrix& m, float* out);
+
+// init_layer and pack_experts of every expert (w13 [E, 2I, D], w2 [E, D, I]) with kInt4Levels.
 void pack_layer(ThreadPool& pool, const float* w13, const float* w2, Format f, int experts, int hidden,
                 int intermediate, int group, uint8_t* dst);
 

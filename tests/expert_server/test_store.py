@@ -87,3 +87,26 @@ def test_damaged_store_is_a_checkpoint_error(converted, tmp_path, damage):
     bad.write_bytes(bytes(data))
     with pytest.raises(CheckpointError):
         store.open_store(bad, ckpt, cfg, layers, "int4")
+
+
+@pytest.mark.parametrize("kind, fmt", [("fp8", "int4"), ("fp8_ue8m0", "int8"), ("int4", "int4")])
+def test_quantized_checkpoints_convert_to_the_layers_packing_at_load_gives(kind, fmt, tmp_path):
+    """FP8 and compressed-tensors INT4 sources through `convert`; the imported int4 keeps the
+    checkpoint's uniform levels and group."""
+    import tandem_native
+
+    from tests.quantized import quantized
+
+    ckpt, cfg = open_checkpoint(quantized(kind))
+    pool = tandem_native.ThreadPool(2)
+    layers = store.moe_layers(cfg, None)
+    report = store.convert(ckpt, cfg, layers, fmt, 64, pool, tmp_path / "s.tandem")
+    assert report.read_bytes == store.source_bytes(ckpt, cfg, layers) and report.peak_rss > 0
+    mapped = store.open_store(tmp_path / "s.tandem", ckpt, cfg, layers, fmt, 64)
+    for layer in layers:
+        fresh = tandem_native.MoeLayer(pack_layer(ckpt, cfg, layer, fmt, 64, pool))
+        got = mapped.layers[layer]
+        assert (got.group_size, got.levels) == (fresh.group_size, fresh.levels)
+        assert (got.group_size == 32 and got.levels == list(range(-8, 8))) == (kind == "int4")
+        for e in range(cfg.moe.num_experts):
+            assert (tandem_native.dequantize(got, e, "w13") == tandem_native.dequantize(fresh, e, "w13")).all()

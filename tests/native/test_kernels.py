@@ -136,3 +136,62 @@ def test_a_token_gets_the_same_bits_alone_or_in_any_batch(isa, fmt, packed, pool
         part = run(packed[fmt], x[start:start + n].copy(), ids[start:start + n].copy(),
                    weights[start:start + n].copy(), pool, isa)
         assert np.array_equal(part, full[start:start + n]), (start, n)
+
+
+# Uniform 4-bit (Q4_0, compressed-tensors) and a table reaching int8's ends, where the AVX2 int16
+# sums are tightest.
+LEVEL_TABLES = {"uniform": list(range(-8, 8)), "extremes": [-128, -96, -70, -50, -34, -20, -9, -1, 4, 12, 24, 38, 56, 78, 104, 127]}
+
+
+@pytest.mark.parametrize("isa", ALL_ISAS)
+@pytest.mark.parametrize("table", list(LEVEL_TABLES))
+@pytest.mark.parametrize("tokens", [1, 7, 64])
+def test_int4_with_the_layers_own_levels(isa, table, tokens, layer_weights, pool):
+    """A layer filled expert by expert (new_layer, pack_into) with its own levels: every variant
+    agrees with generic, and with the float reference run on the layer's own dequantized weights."""
+    if isa not in tn.supported_isas():
+        pytest.skip(f"{isa}: not supported by this CPU or build (supported: {tn.supported_isas()})")
+    w13, w2 = layer_weights
+    buf = tn.new_layer("int4", E, D, I, 32, LEVEL_TABLES[table])
+    for e in range(0, E, 4):
+        tn.pack_into(buf, e, w13[e:e + 4], w2[e:e + 4], pool)
+    layer = tn.MoeLayer(buf)
+    assert layer.levels == LEVEL_TABLES[table]
+    deq = (np.stack([tn.dequantize(layer, e, m) for e in range(E)]) for m in ("w13", "w2"))
+    dq13, dq2 = deq
+    assert relative_error(dq13, w13) <= (0.2 if table == "uniform" else 0.15)
+    outs, generic, ref = [], [], []
+    for x, ids, weights in draws(tokens):
+        outs.append(run(layer, x, ids, weights, pool, isa))
+        generic.append(run(layer, x, ids, weights, pool, "generic"))
+        ref.append(reference(x, ids, weights, dq13, dq2))
+    outs, generic, ref = (np.concatenate(a) for a in (outs, generic, ref))
+    assert relative_error(outs, generic) <= 1e-3
+    assert relative_error(outs, ref) <= 0.05  # only the activations' 7-bit rounding is left
+
+
+def test_filling_expert_by_expert_gives_the_buffer_pack_experts_gives(layer_weights, pool):
+    w13, w2 = layer_weights
+    for fmt in TOLERANCE:
+        buf = tn.new_layer(fmt, E, D, I, 32)
+        for e in range(E):
+            tn.pack_into(buf, e, w13[e:e + 1], w2[e:e + 1], pool)
+        assert np.array_equal(buf, tn.pack_experts(w13, w2, fmt, 32, pool))
+
+
+def test_put_codes_stores_codes_and_scales_as_they_are(pool):
+    rng = np.random.default_rng(5)
+    for fmt, top in (("int8", 256), ("int4", 16)):
+        buf = tn.new_layer(fmt, 2, 64, 64, 32, list(range(-8, 8)) if fmt == "int4" else None)
+        rows = {"w13": 128, "w2": 64}
+        want = {}
+        for e in range(2):
+            for m, r in rows.items():
+                codes = rng.integers(0, top, (r, 64), dtype=np.uint8)
+                scales = rng.uniform(0.01, 1, (r, 2)).astype(np.float16)
+                tn.put_codes(buf, e, m, 0, codes, scales.view(np.uint16))
+                levels = codes.view(np.int8) if fmt == "int8" else codes.astype(np.int8) - 8
+                want[e, m] = levels.astype(np.float32) * np.repeat(scales.astype(np.float32), 32, axis=1)
+        layer = tn.MoeLayer(buf)
+        for (e, m), w in want.items():
+            assert np.array_equal(tn.dequantize(layer, e, m), w)

@@ -166,3 +166,44 @@ def test_forcing_a_variant_the_cpu_lacks_is_a_clear_error(isa, message):
     result = _import_with_isa(isa)
     assert result.returncode != 0
     assert message in result.stderr
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: tn.new_layer("int4", 2, 64, 64, 32, list(range(16))[::-1]), "levels: must be strictly increasing"),
+    (lambda: tn.new_layer("int4", 2, 64, 64, 32, [1, 2, 3]), "levels: expected 16 values"),
+    (lambda: tn.new_layer("int8", 2, 64, 64, 32, list(range(16))), "levels: only the int4 format"),
+    (lambda: tn.new_layer("int4", 0, 64, 64, 32), "experts: must be >= 1"),
+    (lambda: tn.new_layer("int4", 2, 96, 64, 32), "multiples of 64 for int4"),
+    (lambda: tn.new_layer("int8", 2, 64, 64, 48), "group_size: 48"),
+])
+def test_new_layer_rejects_bad_arguments(call, message):
+    with pytest.raises(ValueError, match=message):
+        call()
+
+
+def test_filling_calls_reject_bad_arguments(pool):
+    buf = tn.new_layer("int4", 2, 64, 64, 32)
+    w13, w2 = np.zeros((1, 128, 64), np.float32), np.zeros((1, 64, 64), np.float32)
+    codes, scales = np.zeros((4, 64), np.uint8), np.zeros((4, 2), np.uint16)
+    cases = [
+        (lambda: tn.pack_into(buf, 2, w13, w2, pool), "first_expert: experts \\[2, 3\\) out of range"),
+        (lambda: tn.pack_into(buf, 0, w13[:, :64], w2, pool), "w13: shape"),
+        (lambda: tn.pack_into(buf[:100], 0, w13, w2, pool), "buffer: 100 bytes"),
+        (lambda: tn.pack_into(np.frombuffer(buf.tobytes(), np.uint8), 0, w13, w2, pool), "buffer: must be writable"),
+        (lambda: tn.put_codes(buf, 0, "w3", 0, codes, scales), "matrix: 'w13' or 'w2'"),
+        (lambda: tn.put_codes(buf, 5, "w13", 0, codes, scales), "expert: 5 out of range"),
+        (lambda: tn.put_codes(buf, 0, "w2", 62, codes, scales), "row0: rows \\[62, 66\\) out of range"),
+        (lambda: tn.put_codes(buf, 0, "w13", 0, codes + 16, scales), "int4 codes must be in \\[0, 15\\]"),
+        (lambda: tn.put_codes(buf, 0, "w13", 0, codes, np.zeros((4, 1), np.uint16)), "scales: shape"),
+        (lambda: tn.put_codes(tn.new_layer("bf16", 2, 64, 64), 0, "w13", 0, codes, scales), "a bf16 layer has no codes"),
+    ]
+    for call, message in cases:
+        with pytest.raises(ValueError, match=message):
+            call()
+
+
+def test_a_layer_whose_levels_are_not_increasing_is_refused():
+    buf = tn.new_layer("int4", 2, 64, 64, 32)
+    buf[40:56] = 0  # the header's levels (format.h)
+    with pytest.raises(ValueError, match="int4 levels are not strictly increasing"):
+        tn.MoeLayer(buf)

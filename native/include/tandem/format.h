@@ -12,8 +12,10 @@
 //   the block is AMX's int8 B operand as it is):
 //     int8: 8 steps of 4 columns, symmetric int8 q;
 //     int4: 4 steps of 8 columns; byte j of a row's 4 holds column j in its low nibble and column
-//           j + 4 in its high nibble, an index into the 16 non-uniform levels of kInt4Levels (as
-//           llama.cpp's IQ4_NL): w = scale * kInt4Levels[q].
+//           j + 4 in its high nibble, an index into the layer's 16 int8 levels (its header's
+//           `levels`): w = scale * levels[q]. Quantizing float weights uses kInt4Levels (non-uniform,
+//           as llama.cpp's IQ4_NL); a checkpoint already in 16 levels per group (uniform int4 with
+//           a scale, Q4_0, IQ4_NL) keeps its own, so it imports without a second rounding.
 //   The scales follow the values, tile by tile: [R/16][C/G][16 rows] fp16.
 #pragma once
 #include <cstddef>
@@ -26,7 +28,7 @@ constexpr int kFormats = 3;
 constexpr int kBlock = 32;  // activation quantization block, and the int8/int4 weight block
 constexpr int kTileRows = 4;       // rows of a bf16 tile
 constexpr int kIntTileRows = 16;   // rows of an int8 / int4 tile
-constexpr uint32_t kLayoutVersion = 2;
+constexpr uint32_t kLayoutVersion = 3;
 // Levels of the int4 format, denser near zero where most weights lie: about 12% less error than
 // 16 evenly spaced levels on normally distributed weights, at the same size and speed.
 constexpr int8_t kInt4Levels[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
@@ -41,7 +43,8 @@ struct Header {
     uint32_t hidden;
     uint32_t intermediate;
     uint64_t total_bytes;
-    uint8_t reserved[24];
+    int8_t levels[16];  // int4: the value of each 4-bit code (zeros otherwise)
+    uint8_t reserved[8];
 };
 static_assert(sizeof(Header) == 64, "header is 64 bytes");
 
@@ -49,6 +52,7 @@ static_assert(sizeof(Header) == 64, "header is 64 bytes");
 struct Matrix {
     const uint8_t* data = nullptr;     // quantized values (or bf16)
     const uint16_t* scales = nullptr;  // fp16 [rows][cols / group]; null for bf16
+    const int8_t* levels = nullptr;    // int4: the layer's 16 levels (the header's)
     int rows = 0, cols = 0, group = 0;
     Format format = Format::BF16;
 };
@@ -57,7 +61,7 @@ size_t align64(size_t n);
 size_t matrix_bytes(Format f, int rows, int cols, int group);
 size_t expert_bytes(Format f, int hidden, int intermediate, int group);
 size_t layer_bytes(Format f, int experts, int hidden, int intermediate, int group);
-Matrix matrix_at(const uint8_t* base, Format f, int rows, int cols, int group);
+Matrix matrix_at(const uint8_t* base, Format f, int rows, int cols, int group, const int8_t* levels);
 // What a matrix's columns (and the hidden and intermediate sizes) must be a multiple of: 16 (bf16,
 // its block width), 32 (int8), 64 (int4, a whole number of bytes per tile row); a shift, so the
 // bf16 address arithmetic has no division in it.

@@ -65,7 +65,7 @@ void matmul_int4(const Matrix& w, int r0, int r1, const Activations& x, int n, f
     matmul_int(w, r0, r1, x, n, y, ldy, [&](int r, int b, int8_t* out) {
         for (int j = 0; j < kBlock; ++j) {
             const uint8_t byte = *int_byte_at(w, r, b * kBlock + j);
-            out[j] = kInt4Levels[j % 8 < 4 ? byte & 0x0f : byte >> 4];
+            out[j] = w.levels[j % 8 < 4 ? byte & 0x0f : byte >> 4];
         }
     });
 }

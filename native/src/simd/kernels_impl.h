@@ -173,9 +173,9 @@ constexpr int kInt4Tokens = 2;  // tokens sharing a tile's unpacking (more spill
 
 inline __m256i broadcast4(const void* p) { return _mm256_set1_epi32(*static_cast<const int32_t*>(p)); }
 
-// kInt4Levels as signed bytes, in both lanes; xor 0x80 gives them offset by 128 (unsigned).
-inline __m256i int4_levels() {
-    return _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kInt4Levels)));
+// The layer's 16 int4 levels as signed bytes, in both lanes; xor 0x80 gives them offset by 128 (unsigned).
+inline __m256i int4_levels(const Matrix& w) {
+    return _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.levels)));
 }
 
 // The quantized values, block scales and (int4) corrections of tokens i .. i + N - 1.
@@ -267,7 +267,7 @@ void int8_tile(const Matrix& w, int r, const TokenRows<N>& t, float* y, int ldy)
 // unsigned: lo columns 0-3, hi 4-7) times 7-bit x (xlo, xhi: the token's 4-byte broadcasts), less
 // the correction (int4_corrections). AVX2: an int16 lane u0 x0 + u1 x1 <= 2 * 241 * 63 cannot
 // saturate; the sum of both halves may wrap before the correction comes off, but the result, 4
-// products of |w| <= 127 and |x| <= 63, fits int16, so the wrapped arithmetic is exact.
+// products of |w| <= 128 and |x| <= 63, fits int16, so the wrapped arithmetic is exact.
 inline __m256i int4_step(__m256i lo, __m256i hi, __m256i xlo, __m256i xhi, __m256i correction) {
 #if defined(TANDEM_SIMD_VNNI)
     const __m256i sum = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), lo, xlo), hi, xhi);
@@ -279,7 +279,7 @@ inline __m256i int4_step(__m256i lo, __m256i hi, __m256i xlo, __m256i xhi, __m25
 }
 
 // One step's 32 bytes of int4 (8 rows x 8 columns) -> the levels of columns 0-3 (lo) and 4-7 (hi)
-// of each row, looked up in `table` (kInt4Levels, possibly offset).
+// of each row, looked up in `table` (the layer's levels, possibly offset).
 inline void unpack_int4(const uint8_t* p, __m256i table, __m256i& lo, __m256i& hi) {
     const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
     const __m256i mask = _mm256_set1_epi8(0x0f);
@@ -290,7 +290,7 @@ inline void unpack_int4(const uint8_t* p, __m256i table, __m256i& lo, __m256i& h
 // int4 (activations 7-bit, activation_levels): each step unpacked once for all N tokens.
 template <int N>
 void int4_tile(const Matrix& w, int r, const TokenRows<N>& t, float* y, int ldy) {
-    const __m256i table = _mm256_xor_si256(int4_levels(), _mm256_set1_epi8(char(0x80)));
+    const __m256i table = _mm256_xor_si256(int4_levels(w), _mm256_set1_epi8(char(0x80)));
     int_tile<N, Format::INT4>(w, r, t, y, ldy, [&](const uint8_t* p, int b, int s, __m256i (&dot)[N][kHalves]) {
         __m256i lo[kHalves], hi[kHalves];
         for (int h = 0; h < kHalves; ++h) unpack_int4(p + 32 * h, table, lo[h], hi[h]);
@@ -338,10 +338,11 @@ void matmul_int4(const Matrix& w, int r0, int r1, const Activations& x, int n, f
 // operand): each step's low nibbles become one int8 step, its high nibbles the next.
 [[maybe_unused]] void expand_int4_block(const Matrix& w, int r, int b, uint8_t* dst) {
     const uint8_t* p = int_block_at(w, r, b);
+    const __m256i table = int4_levels(w);
     for (int step = 0; step < kBlock / 8; ++step, p += kHalves * 32)
         for (int h = 0; h < kHalves; ++h) {
             __m256i lo, hi;
-            unpack_int4(p + 32 * h, int4_levels(), lo, hi);
+            unpack_int4(p + 32 * h, table, lo, hi);
             _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + (2 * step) * 64 + 32 * h), lo);
             _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + (2 * step + 1) * 64 + 32 * h), hi);
         }

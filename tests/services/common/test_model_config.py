@@ -70,7 +70,6 @@ def test_expert_count_key_of_any_family_dialect(key):
     ("mixtral", {"hidden_size": "64"}, "'hidden_size' must be int"),
     ("mixtral", {"hidden_act": "gelu"}, "hidden_act 'gelu'"),
     ("mixtral", {"rope_parameters": {"rope_type": "longrope", "rope_theta": 1.0}}, "unsupported rope type"),
-    ("deepseek_v3", {"quantization_config": {"quant_method": "fp8"}}, r"quantized checkpoints \(fp8\)"),
 ])
 def test_invalid_configs_name_the_cause(name, edit, message):
     raw = {**_config(name), **edit}

@@ -16,12 +16,15 @@ from pathlib import Path
 from expert_server import store
 from expert_server.config import ServerConfig, parse_layers, parse_port
 from services.common import telemetry
+from services.common.checkpoint import resolve_model
 from services.common.errors import TandemError
 from services.common.expert_weights import DEFAULT_GROUP_SIZE, FORMATS, default_threads
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", type=Path, required=True, help="Hugging Face checkpoint directory")
+    p.add_argument("--model", type=Path, required=True, help="Hugging Face checkpoint directory, or a .gguf file (config and tokenizer from its metadata)")
+    p.add_argument("--gguf", type=Path, help="weights from this GGUF file (the first of a split); --model DIR "
+                   "then gives config.json and the tokenizer")
     p.add_argument("--format", choices=FORMATS, default="int4", help="expert weight format (default int4)")
     p.add_argument("--layers", help="layer range A-B (inclusive) this server owns; default all")
     p.add_argument("--threads", type=int, default=default_threads(), help="kernel threads (default: physical cores)")
@@ -60,7 +63,7 @@ def serve(args: argparse.Namespace) -> int:
     from expert_server.app import start
 
     cfg = ServerConfig(
-        model=args.model, format=args.format, layers=parse_layers(args.layers), threads=args.threads,
+        model=resolve_model(args.model, args.gguf), format=args.format, layers=parse_layers(args.layers), threads=args.threads,
         listen=args.listen, store=args.store, group_size=args.group_size, max_tokens=args.max_tokens,
         tls_cert=args.tls_cert, tls_key=args.tls_key, echo=args.echo, drain_s=args.drain_seconds,
         spin_us=args.spin_us, compute_port=parse_port(args.compute_port),
@@ -86,7 +89,7 @@ def convert(args: argparse.Namespace) -> int:
     from services.common.checkpoint import Checkpoint
     from services.common.model_config import parse_model_config
 
-    checkpoint = Checkpoint(args.model)
+    checkpoint = Checkpoint(resolve_model(args.model, args.gguf))
     model_cfg = parse_model_config(checkpoint.config)
     layers = store.moe_layers(model_cfg, parse_layers(args.layers))
     print(f"converting {len(layers)} MoE layers of {checkpoint.dir} ({checkpoint.source.kind}) to {args.format}",

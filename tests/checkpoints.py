@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from services.launcher.default_model import corpus, write_tokenizer
+from tests.random_model import corpus, write_tokenizer
 
 CACHE_ROOT = Path(__file__).resolve().parent.parent / ".cache" / "tiny-models"
 SEED = 1234
@@ -124,10 +124,11 @@ def _recipe(name: str) -> tuple[str, dict]:
     return RECIPES[name] if name in RECIPES else EXTRA_RECIPES[name]
 
 
-def cached(name: str, digest: str, build) -> Path:
-    """CACHE_ROOT/<name>-<digest>, made by build(tmp_dir) on first use (atomically)."""
+def cached(name: str, digest: str, build, marker: str = "config.json") -> Path:
+    """CACHE_ROOT/<name>-<digest>, made by build(tmp_dir) on first use (atomically; complete when it
+    holds `marker`)."""
     path = CACHE_ROOT / f"{name}-{digest}"
-    if not (path / "config.json").exists():
+    if not (path / marker).exists():
         CACHE_ROOT.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=CACHE_ROOT))
         try:
@@ -135,7 +136,7 @@ def cached(name: str, digest: str, build) -> Path:
             os.replace(tmp, path)
         except OSError:
             shutil.rmtree(tmp, ignore_errors=True)
-            if not (path / "config.json").exists():
+            if not (path / marker).exists():
                 raise
     return path
 

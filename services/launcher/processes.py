@@ -118,7 +118,8 @@ class Stack:
         with urllib.request.urlopen(urllib.request.Request(self.url + "/v1/models", headers=headers), timeout=5) as r:
             model = json.load(r)["data"][0]["id"]
         auth = f' -H "Authorization: Bearer {self.cfg.api_key}"' if self.cfg.api_key else ""
-        body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 32})
+        body = json.dumps({"model": model, "messages": [{"role": "user", "content": "What is the capital of France?"}],
+                           "max_tokens": 32, "temperature": 0})
         print(f"\ntandem: ready at {self.url}  (OpenAI API under {self.url}/v1; Ctrl-C stops everything)\n"
               f"  curl {self.url}/v1/chat/completions -H 'Content-Type: application/json'{auth} -d '{body}'\n",
               flush=True)

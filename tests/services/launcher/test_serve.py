@@ -3,11 +3,6 @@ gateway as the in-process reference, and Ctrl-C stopping everything."""
 
 import os
 import re
-import signal
-import socket
-import subprocess
-import sys
-import threading
 
 import pytest
 
@@ -16,21 +11,15 @@ from services.dense.generate import generate
 from services.dense.loader import open_checkpoint
 from services.dense.sampling import SamplingParams
 from services.dense.tokenizer import Tokenizer
-from services.launcher.default_model import default_model
 from tests.conftest import load_fp32
-from tests.expert_server.servers import ROOT
+from tests.random_model import random_model
+from tests.services.launcher.launch import serve
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("tandem_native")
 pytestmark = [pytest.mark.native, pytest.mark.e2e]
 
 MESSAGES = [{"role": "user", "content": "Tell me about experts."}]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def reference_text(path, fmt: str, max_tokens: int) -> str:
@@ -44,33 +33,16 @@ def reference_text(path, fmt: str, max_tokens: int) -> str:
 
 
 def test_tandem_serve_answers_like_the_in_process_reference_and_stops_cleanly():
-    path, port = default_model(), free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "services.launcher", "serve", "--port", str(port),
-                             "--format", "int8", "--dtype", "float32", "--threads", "2"],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines: list[str] = []
-    ready = threading.Event()
-
-    def read():
-        for line in proc.stdout:
-            lines.append(line)
-            if "tandem: ready at" in line:
-                ready.set()
-
-    threading.Thread(target=read, daemon=True).start()
-    try:
-        assert ready.wait(300), "".join(lines[-30:])
-        assert any("curl http://127.0.0.1:%d/v1/chat/completions" % port in x for x in lines)
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
-        assert client.models.list().data[0].id == "tandem-default"
-        reply = client.chat.completions.create(model="tandem-default", messages=MESSAGES, max_tokens=20, temperature=0)
+    path = random_model()
+    with serve("--model", str(path), "--format", "int8", "--dtype", "float32", "--threads", "2") as run:
+        assert any(f"curl http://127.0.0.1:{run.port}/v1/chat/completions" in x for x in run.lines)
+        client = openai.OpenAI(base_url=run.url, api_key="none", max_retries=0)
+        assert client.models.list().data[0].id == path.name
+        reply = client.chat.completions.create(model=path.name, messages=MESSAGES, max_tokens=20, temperature=0)
         assert reply.choices[0].message.content == reference_text(path, "int8", 20)
-        pids = [int(m.group(1)) for x in lines for m in [re.search(r"pid (\d+)", x)] if m]
-    finally:
-        proc.send_signal(signal.SIGINT)
-        code = proc.wait(120)
-    assert code == 0, "".join(lines[-30:])
-    assert any("expert stopped (code 0)" in x for x in lines) and any("dense stopped (code 0)" in x for x in lines)
+        pids = [int(m.group(1)) for x in run.lines for m in [re.search(r"pid (\d+)", x)] if m]
+    assert run.code == 0, "".join(run.lines[-30:])
+    assert any("expert stopped (code 0)" in x for x in run.lines) and any("dense stopped (code 0)" in x for x in run.lines)
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)

@@ -3,48 +3,29 @@ the dense service's request and step spans, and the expert server's spans, linke
 
 import json
 import os
-import signal
-import subprocess
-import sys
-import threading
 import time
 
 import pytest
 
-from tests.expert_server.servers import ROOT
-from tests.services.launcher.test_serve import free_port
+from tests.random_model import random_model
+from tests.services.launcher.launch import serve
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("tandem_native")
 pytestmark = [pytest.mark.native, pytest.mark.e2e]
 
-MOE_LAYERS = 3  # the default model: 4 layers, the first one dense
+MOE_LAYERS = 3  # the random model: 4 layers, the first one dense
 
 
 def serve_and_chat(tmp_path, each_call: bool) -> list[dict]:
     env = {**os.environ, "TANDEM_TRACE_FILE": str(tmp_path / "{service}.jsonl"),
            "TANDEM_TRACE_EXPERT_CALLS": "1" if each_call else "0"}
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "services.launcher", "serve", "--port", str(port), "--format",
-                             "int8", "--threads", "2"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    ready, lines = threading.Event(), []
-
-    def read():
-        for line in proc.stdout:
-            lines.append(line)
-            ready.set() if "tandem: ready at" in line else None
-
-    threading.Thread(target=read, daemon=True).start()
-    try:
-        assert ready.wait(300), "".join(lines[-30:])
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
-        client.chat.completions.create(model="tandem-default", messages=[{"role": "user", "content": "Hi"}],
+    path = random_model()
+    with serve("--model", str(path), "--format", "int8", "--threads", "2", env=env) as run:
+        client = openai.OpenAI(base_url=run.url, api_key="none", max_retries=0)
+        client.chat.completions.create(model=path.name, messages=[{"role": "user", "content": "Hi"}],
                                        max_tokens=5, temperature=0)
         time.sleep(1.0)
-    finally:
-        proc.send_signal(signal.SIGINT)
-        proc.wait(120)
     spans = []
     for path in tmp_path.glob("*.jsonl"):
         spans += [json.loads(line) for line in path.read_text().splitlines()]
@@ -61,7 +42,7 @@ def by_service(spans):
 @pytest.mark.parametrize("each_call", [False, True], ids=["per-step", "per-layer"])
 def test_one_trace_spans_all_three_services_with_parent_links(tmp_path, each_call):
     everything = serve_and_chat(tmp_path, each_call)
-    (root,) = [s for s in everything if s["name"] == "chat tandem-default"]
+    (root,) = [s for s in everything if s["name"] == f"chat {random_model().name}"]
     trace_id = root["context"]["trace_id"]
     spans = [s for s in everything if s["context"]["trace_id"] == trace_id]
     services = by_service(spans)
@@ -72,7 +53,7 @@ def test_one_trace_spans_all_three_services_with_parent_links(tmp_path, each_cal
         top = ids[top["parent_id"]]
     assert top["name"] == "POST /v1/chat/completions" and top["kind"] == "SpanKind.SERVER"  # the HTTP hop
     a = root["attributes"]
-    assert a["gen_ai.operation.name"] == "chat" and a["gen_ai.request.model"] == "tandem-default"
+    assert a["gen_ai.operation.name"] == "chat" and a["gen_ai.request.model"] == random_model().name
     assert a["gen_ai.usage.output_tokens"] == 5 and a["gen_ai.usage.input_tokens"] > 0
     assert a["gen_ai.response.finish_reasons"] == ["length"]
     for key in ("queue_s", "prefill_s", "decode_s", "time_to_first_token_s"):

@@ -1,0 +1,130 @@
+"""GGUF models: tiny files written with gguf-py (tests/gguf_files.py) against transformers running
+the same tensors as gguf-py dequantizes them; lossless imports; one clear error per bad file."""
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from services.common.checkpoint import Checkpoint, resolve_model
+from services.common.errors import CheckpointError, ConfigError
+from services.common.expert_weights import pack_layer
+from services.common.model_config import parse_model_config
+from services.dense.generate import generate
+from services.dense.sampling import SamplingParams
+from services.dense.tokenizer import Tokenizer
+from tests.checkpoints import checkpoint
+from tests.conftest import PROMPT, load_fp32
+from tests.gguf_files import gguf_model, gguf_reference
+from tests.reference.hf_oracle import hf_greedy, hf_logits
+
+FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3", "deepseek_v2")
+CASES = [(f, "Q8_0") for f in FAMILIES] + [("qwen3_moe", q) for q in ("F32", "BF16", "Q4_0")] + [("deepseek_v3", "Q4_0")]
+
+
+@pytest.mark.parametrize("name, qtype", CASES)
+def test_a_gguf_alone_matches_transformers_on_its_dequantized_tensors(name, qtype):
+    path = resolve_model(gguf_model(name, qtype))
+    ckpt, ref = Checkpoint(path), load_file(gguf_reference(name, qtype) / "model.safetensors")
+    assert set(ckpt.names()) == set(ref)
+    for key, want in ref.items():
+        assert torch.equal(ckpt.get(key, tuple(want.shape)).float(), want), key
+    ids = Tokenizer(path).encode(PROMPT)
+    assert ids == Tokenizer(checkpoint(name)).encode(PROMPT)  # the tokenizer rebuilt from the metadata
+    model, _ = load_fp32(path)
+    ours = model.forward(torch.tensor(ids), model.new_cache(len(ids)))
+    assert (ours - hf_logits(gguf_reference(name, qtype), ids)).abs().max().item() <= 1e-4
+
+
+def test_a_gguf_next_to_a_hugging_face_directory_greedy_decodes_as_transformers():
+    path = resolve_model(checkpoint("deepseek_v3"), gguf_model("deepseek_v3", "Q8_0"))
+    assert Checkpoint(path).source.kind == "gguf"
+    ids = Tokenizer(path).encode(PROMPT)
+    model, _ = load_fp32(path)
+    eos = Tokenizer(path).eos_token_ids
+    ours = generate(model, ids, SamplingParams(temperature=0, max_tokens=32), eos).tokens
+    assert ours == hf_greedy(gguf_reference("deepseek_v3", "Q8_0"), ids, 32)
+
+
+@pytest.mark.native
+@pytest.mark.parametrize("qtype, fmt", [("Q8_0", "int8"), ("Q4_0", "int4")])
+def test_q8_0_and_q4_0_experts_import_bit_exact(qtype, fmt):
+    import tandem_native as tn
+
+    ckpt = Checkpoint(resolve_model(gguf_model("qwen3_moe", qtype)))
+    cfg = parse_model_config(ckpt.config)
+    ref = load_file(gguf_reference("qwen3_moe", qtype) / "model.safetensors")
+    layer = tn.MoeLayer(pack_layer(ckpt, cfg, 0, fmt, 64, tn.ThreadPool(1)))
+    assert layer.group_size == 32 and layer.levels == ([] if fmt == "int8" else list(range(-8, 8)))
+    for e in range(cfg.moe.num_experts):
+        gate, up, down = (ref[n] for n in cfg.expert_tensor_names(0, e))
+        assert np.array_equal(tn.dequantize(layer, e, "w13"), torch.cat((gate, up)).numpy())
+        assert np.array_equal(tn.dequantize(layer, e, "w2"), down.numpy())
+
+
+# ---------------------------------------------------------------- bad files
+
+
+def _rewrite(src, dst, edit_meta=None, edit_tensor=None):
+    """A copy of the GGUF at src with metadata values or one tensor's type changed."""
+    import gguf
+
+    reader = gguf.GGUFReader(src)
+    arch = reader.fields["general.architecture"].contents()
+    arch = edit_meta.get("general.architecture", arch) if edit_meta else arch
+    w = gguf.GGUFWriter(dst, arch)
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        value = field.contents()
+        vtype = field.types[0]
+        sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(key, value, vtype, sub_type=sub)
+    for t in reader.tensors:
+        qtype, data = t.tensor_type, t.data
+        if edit_tensor and t.name == edit_tensor:
+            qtype = gguf.GGMLQuantizationType.IQ2_XXS
+            data = np.zeros((*tuple(reversed(t.shape.tolist()))[:-1], t.shape[0] // 256 * 66), dtype=np.uint8)
+        w.add_tensor(t.name, np.array(data), raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst
+
+
+def test_unsupported_architecture(tmp_path):
+    bad = _rewrite(gguf_model("qwen3_moe", "Q8_0"), tmp_path / "m.gguf", edit_meta={"general.architecture": "gpt2"})
+    with pytest.raises(CheckpointError, match="GGUF architecture 'gpt2' is not supported"):
+        resolve_model(bad)
+
+
+def test_unsupported_tensor_type_names_the_tensor(tmp_path):
+    bad = _rewrite(gguf_model("qwen3_moe", "F32"), tmp_path / "m.gguf", edit_tensor="blk.0.attn_q.weight")
+    with pytest.raises(CheckpointError, match="tensor 'blk.0.attn_q.weight' has GGUF type IQ2_XXS, which is not supported"):
+        Checkpoint(resolve_model(bad))
+
+
+def test_truncated_gguf(tmp_path):
+    src = gguf_model("qwen3_moe", "Q8_0")
+    bad = tmp_path / "m.gguf"
+    bad.write_bytes(src.read_bytes()[: src.stat().st_size - 1000])
+    with pytest.raises(CheckpointError, match="m.gguf: (not a readable GGUF file|truncated GGUF)"):
+        resolve_model(bad)
+
+
+def test_metadata_that_disagrees_with_the_given_config(tmp_path):
+    hf = tmp_path / "hf"
+    shutil.copytree(checkpoint("qwen3_moe"), hf)
+    config = json.loads((hf / "config.json").read_text())
+    (hf / "config.json").write_text(json.dumps({**config, "num_experts": 8}))
+    with pytest.raises(CheckpointError, match="disagree: GGUF metadata gives num_experts = 16, config.json 8"):
+        Checkpoint(resolve_model(hf, gguf_model("qwen3_moe", "Q8_0")))
+
+
+def test_a_gguf_flag_that_is_not_a_gguf_file(tmp_path):
+    with pytest.raises(ConfigError, match="is not a .gguf file"):
+        resolve_model(checkpoint("qwen3_moe"), tmp_path / "nothing.gguf")

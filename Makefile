@@ -10,12 +10,14 @@ PROTO_STAMP := tandem/.generated
 
 .PHONY: test setup native protos serve clean grpc-cpp
 
-# `make serve`: the whole stack on this host (MODEL=dir, PORT=8000, FORMAT=bf16|int8|int4, DTYPE=float32|bfloat16)
+# `make serve`: the whole stack on this host (MODEL=dir or file.gguf, GGUF=file, PORT=8000,
+# FORMAT=bf16|int8|int4|int4_asym, DTYPE=float32|bfloat16)
 MODEL ?=
 PORT ?= 8000
 FORMAT ?=
+GGUF ?=
 DTYPE ?=
-SERVE_ARGS := $(if $(MODEL),--model $(MODEL)) --port $(PORT) $(if $(FORMAT),--format $(FORMAT)) $(if $(DTYPE),--dtype $(DTYPE))
+SERVE_ARGS := $(if $(MODEL),--model $(MODEL)) $(if $(GGUF),--gguf $(GGUF)) --port $(PORT) $(if $(FORMAT),--format $(FORMAT)) $(if $(DTYPE),--dtype $(DTYPE))
 
 setup: $(NATIVE_STAMP) $(PROTO_STAMP)
 

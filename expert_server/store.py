@@ -110,11 +110,14 @@ class ConvertReport:
     written_bytes: int
     seconds: float
     peak_rss: int  # of this process, bytes
+    errors: dict   # tensor kind -> relative error of the tensors quantized from floats (imported ones have none)
 
     def __str__(self) -> str:
         gb = 1e9
+        kinds = ", ".join(f"{k} {v:.2e}" for k, v in self.errors.items()) or "none (every tensor imported as stored)"
         return (f"read {self.read_bytes / gb:.2f} GB in {self.seconds:.1f} s ({self.read_bytes / gb / self.seconds:.2f} GB/s), "
-                f"wrote {self.written_bytes / gb:.2f} GB, peak RSS {self.peak_rss / 2**30:.2f} GiB")
+                f"wrote {self.written_bytes / gb:.2f} GB, peak RSS {self.peak_rss / 2**30:.2f} GiB; relative error of "
+                f"the tensors quantized again: {kinds}")
 
 
 def peak_rss() -> int:
@@ -126,11 +129,11 @@ def convert(checkpoint: Checkpoint, cfg: ModelConfig, layers: list[int], fmt: st
     """Writes a packed store for these layers, one layer in memory at a time (atomically: a
     temporary file, then a rename)."""
     start = time.monotonic()
-    buffers = {}
+    buffers, errors = {}, {}
     tmp = out.with_name(out.name + ".tmp")
     with open(tmp, "wb") as f, _bar(checkpoint, cfg, layers, f"converting experts ({fmt})") as bar:
         for layer in layers:  # each layer's own group size and levels may differ (imported ones keep theirs)
-            buf = pack_layer(checkpoint, cfg, layer, fmt, group, pool, bar.update)
+            buf = pack_layer(checkpoint, cfg, layer, fmt, group, pool, bar.update, errors)
             f.seek(max(_MAX_HEADER, -(-f.tell() // _PAGE) * _PAGE))
             buffers[layer] = {"layer": layer, "offset": f.tell() - _MAX_HEADER, "nbytes": len(buf)}
             f.write(buf.data)
@@ -144,7 +147,8 @@ def convert(checkpoint: Checkpoint, cfg: ModelConfig, layers: list[int], fmt: st
         f.write(_PREFIX.pack(STORE_MAGIC, STORE_VERSION, len(header)) + header)
         read = bar.n
     os.replace(tmp, out)
-    return ConvertReport(read, out.stat().st_size, time.monotonic() - start, peak_rss())
+    relative = {kind: (err / ref) ** 0.5 if ref else 0.0 for kind, (err, ref) in errors.items()}
+    return ConvertReport(read, out.stat().st_size, time.monotonic() - start, peak_rss(), relative)
 
 
 def read_header(mm: mmap.mmap, path: Path) -> tuple[dict, int]:

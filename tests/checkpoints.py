@@ -110,6 +110,13 @@ EXTRA_RECIPES: dict[str, tuple[str, dict]] = {
         "topk_group": 2, "norm_topk_prob": True, "routed_scaling_factor": 2.5, "rope_interleave": True,
         "num_mtp_layers": 0, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
     }),
+    # The base of the committed K-quant / IQ GGUF fixtures (tests/fixtures/gguf): rows of 256 columns.
+    "qwen3_moe_k": ("qwen3_moe", {
+        **_COMMON, "hidden_size": 256, "intermediate_size": 256, "num_hidden_layers": 1, "num_key_value_heads": 2,
+        "head_dim": 64, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 256,
+        "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+    }),
 }
 
 

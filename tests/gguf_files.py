@@ -21,9 +21,9 @@ from safetensors.torch import load_file, save_file
 
 from tests.checkpoints import cached, checkpoint
 
-ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama", "deepseek_v3": "deepseek2",
+ARCH = {"qwen3_moe": "qwen3moe", "qwen3_moe_k": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama", "deepseek_v3": "deepseek2",
         "deepseek_v2": "deepseek2"}
-QTYPES = ("F32", "BF16", "Q8_0", "Q4_0")
+QTYPES = ("F32", "BF16", "Q8_0", "Q4_0", "Q4_1")
 EXPERT_NAMES = {"mixtral": ("w1", "w3", "w2")}
 _LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
           "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
@@ -42,7 +42,7 @@ def _qtype(gguf_name: str, shape: tuple[int, ...], qtype: str) -> str:
     """llama.cpp keeps norms, biases, routers and vectors in F32; a block type needs 32 | columns."""
     if len(shape) < 2 or any(k in gguf_name for k in ("norm", "ffn_gate_inp", "exp_probs", "attn_k_b", "attn_v_b")):
         return "F32"
-    return "F32" if qtype in ("Q8_0", "Q4_0") and shape[-1] % 32 else qtype
+    return "F32" if qtype != "BF16" and shape[-1] % 32 else qtype
 
 
 def _quantize(w: np.ndarray, qtype: str) -> np.ndarray:
@@ -114,7 +114,7 @@ def _metadata(w, name: str, cfg: dict) -> None:
     u32("expert_used_count", cfg["num_experts_per_tok"])
     if name == "mixtral":
         u32("rope.dimension_count", cfg["hidden_size"] // cfg["num_attention_heads"])
-    if name.startswith("qwen"):
+    if name.startswith("qwen"):  # qwen3_moe, qwen3_moe_k, qwen2_moe
         u32("expert_feed_forward_length", cfg["moe_intermediate_size"])
         u32("attention.key_length", cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
     if name == "qwen2_moe":
@@ -207,3 +207,37 @@ def gguf_model(name: str, qtype: str) -> Path:
 
 def gguf_reference(name: str, qtype: str) -> Path:
     return cached(f"gguf-{name}-{qtype}-reference", _digest(name, qtype), lambda out: _write_reference(name, qtype, out))
+
+
+def write_gguf(name: str, path: Path) -> None:
+    """The tiny checkpoint `name` as an F32 GGUF at path (the input of llama.cpp's quantizer)."""
+    _write_gguf(name, "F32", path.parent)
+    (path.parent / f"{name}-F32.gguf").replace(path)
+
+
+def qwen3_reference(gguf_path: Path, out: Path, base: str = "qwen3_moe_k") -> Path:
+    """A qwen3moe GGUF's tensors as gguf-py dequantizes them, under Hugging Face names (the inverse of
+    the writer's names; qwen3moe has no permutation or kv_b), saved with the base's config and tokenizer."""
+    import gguf
+
+    inverse = {v: k for k, v in _LAYER.items() if not k.startswith("block_sparse") and "shared" not in k}
+    fixed = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+             "output.weight": "lm_head.weight"}
+    names = ("gate_proj", "up_proj", "down_proj")
+    state = {}
+    for t in gguf.GGUFReader(gguf_path).tensors:
+        w = np.array(gguf.quants.dequantize(t.data, t.tensor_type), np.float32).reshape(tuple(reversed(t.shape.tolist())))
+        if t.name in fixed:
+            state[fixed[t.name]] = torch.from_numpy(w)
+            continue
+        _, layer, kind, suffix = t.name.split(".")
+        if kind.endswith("_exps"):
+            proj = names[("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps").index(kind)]
+            for e in range(w.shape[0]):
+                state[f"model.layers.{layer}.mlp.experts.{e}.{proj}.{suffix}"] = torch.from_numpy(w[e].copy())
+        else:
+            state[f"model.layers.{layer}.{inverse[kind]}.{suffix}"] = torch.from_numpy(w)
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    for f in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        (out / f).write_bytes((checkpoint(base) / f).read_bytes())
+    return out

@@ -42,7 +42,8 @@ Format parse_format(const std::string& name) {
     if (name == "bf16") return Format::BF16;
     if (name == "int8") return Format::INT8;
     if (name == "int4") return Format::INT4;
-    throw std::invalid_argument("fmt: unknown format '" + name + "' (bf16, int8, int4)");
+    if (name == "int4_asym") return Format::INT4_ASYM;
+    throw std::invalid_argument("fmt: unknown format '" + name + "' (bf16, int8, int4, int4_asym)");
 }
 
 // The hidden and intermediate sizes and the group size a format takes; throws naming them.
@@ -74,11 +75,16 @@ py::array_t<uint8_t> new_layer(const std::string& fmt, int E, int D, int I, int 
     return out;
 }
 
-// A layer buffer being filled: writable, its header valid (its scales not checked yet).
-MoeLayerView filling(py::array& buffer) {
+// A layer buffer being filled: its header valid (its scales not checked yet).
+MoeLayerView filling_view(const py::array& buffer) {
     check_array<uint8_t>(buffer, "buffer", "uint8", {-1});
-    if (!buffer.writeable()) throw std::invalid_argument("buffer: must be writable");
     return MoeLayerView::parse(static_cast<const uint8_t*>(buffer.data()), size_t(buffer.shape(0)), false);
+}
+
+// ... and writable, to be filled.
+MoeLayerView filling(py::array& buffer) {
+    if (!buffer.writeable()) throw std::invalid_argument("buffer: must be writable");
+    return filling_view(buffer);
 }
 
 void pack_into(py::array buffer, int e0, py::array w13, py::array w2, ThreadPool& pool) {
@@ -95,7 +101,8 @@ void pack_into(py::array buffer, int e0, py::array w13, py::array w2, ThreadPool
     pack_experts(pool, v, e0, e0 + n, a, b);
 }
 
-void put_codes_into(py::array buffer, int e, const std::string& matrix, int row0, py::array codes, py::array scales) {
+void put_codes_into(py::array buffer, int e, const std::string& matrix, int row0, py::array codes, py::array scales,
+                    py::object mins_obj) {
     const MoeLayerView v = filling(buffer);
     if (v.format == Format::BF16) throw std::invalid_argument("buffer: a bf16 layer has no codes");
     if (matrix != "w13" && matrix != "w2") throw std::invalid_argument("matrix: 'w13' or 'w2', got '" + matrix + "'");
@@ -108,9 +115,14 @@ void put_codes_into(py::array buffer, int e, const std::string& matrix, int row0
         throw std::invalid_argument("row0: rows [" + std::to_string(row0) + ", " + std::to_string(row0 + rows) +
                                     ") out of range [0, " + std::to_string(m.rows) + ")");
     const uint8_t* c = static_cast<const uint8_t*>(codes.data());
-    if (v.format == Format::INT4 && std::any_of(c, c + size_t(rows) * m.cols, [](uint8_t q) { return q > 15; }))
-        throw std::invalid_argument("codes: int4 codes must be in [0, 15]");
-    put_codes(v, e, matrix == "w2", row0, rows, c, static_cast<const uint16_t*>(scales.data()));
+    if (four_bit(v.format) && std::any_of(c, c + size_t(rows) * m.cols, [](uint8_t q) { return q > 15; }))
+        throw std::invalid_argument("codes: 4-bit codes must be in [0, 15]");
+    if ((v.format == Format::INT4_ASYM) != !mins_obj.is_none())
+        throw std::invalid_argument("mins: int4_asym layers need them, and only they take them");
+    py::array mins = mins_obj.is_none() ? py::array() : mins_obj.cast<py::array>();
+    if (!mins_obj.is_none()) check_array<uint16_t>(mins, "mins", "uint16 (fp16 bits)", {rows, m.cols / m.group});
+    put_codes(v, e, matrix == "w2", row0, rows, c, static_cast<const uint16_t*>(scales.data()),
+              mins_obj.is_none() ? nullptr : static_cast<const uint16_t*>(mins.data()));
 }
 
 py::array_t<uint8_t> py_pack_experts(py::array w13, py::array w2, const std::string& fmt, int group, ThreadPool& pool) {
@@ -218,19 +230,23 @@ PYBIND11_MODULE(tandem_native, m) {
     m.def("pack_into", &pack_into, py::arg("buffer"), py::arg("first_expert"), py::arg("w13"), py::arg("w2"),
           py::arg("pool"), "Quantize float32 w13 [n, 2I, D] and w2 [n, D, I] into experts first_expert .. + n - 1");
     m.def("put_codes", &put_codes_into, py::arg("buffer"), py::arg("expert"), py::arg("matrix"), py::arg("row0"),
-          py::arg("codes"), py::arg("scales"),
-          "Store already-quantized rows as they are: codes uint8 [rows, C], fp16 scales as uint16 [rows, C / G]");
+          py::arg("codes"), py::arg("scales"), py::arg("mins") = py::none(),
+          "Store already-quantized rows as they are: codes uint8 [rows, C], fp16 scales (and int4_asym's "
+          "minimums) as uint16 [rows, C / G]");
     m.def(
         "dequantize",
-        [](const PyLayer& l, int e, const std::string& matrix) {
-            if (e < 0 || e >= l.view.experts) throw std::invalid_argument("expert: " + std::to_string(e) + " out of range");
+        [](py::object layer, int e, const std::string& matrix) {
+            const MoeLayerView v = py::isinstance<PyLayer>(layer) ? layer.cast<const PyLayer&>().view
+                                                                 : filling_view(layer.cast<py::array>());
+            if (e < 0 || e >= v.experts) throw std::invalid_argument("expert: " + std::to_string(e) + " out of range");
             if (matrix != "w13" && matrix != "w2") throw std::invalid_argument("matrix: 'w13' or 'w2', got '" + matrix + "'");
-            const Matrix m = matrix == "w2" ? l.view.w2(e) : l.view.w13(e);
+            const Matrix m = matrix == "w2" ? v.w2(e) : v.w13(e);
             py::array_t<float> out({py::ssize_t(m.rows), py::ssize_t(m.cols)});
             dequantize(m, out.mutable_data());
             return out;
         },
-        py::arg("layer"), py::arg("expert"), py::arg("matrix"), "The float32 values of one packed matrix, [R, C]");
+        py::arg("layer"), py::arg("expert"), py::arg("matrix"),
+        "The float32 values of one packed matrix, [R, C], of a MoeLayer or a buffer being filled");
     m.def("pack_experts", &py_pack_experts, py::arg("w13"), py::arg("w2"), py::arg("fmt"), py::arg("group_size") = 32,
           py::arg("pool"), "float32 w13 [E, 2I, D] and w2 [E, D, I] -> a packed layer buffer (uint8)");
     m.def(

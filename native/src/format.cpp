@@ -13,14 +13,19 @@ static size_t values_bytes(Format f, int rows, int cols) {
     switch (f) {
         case Format::BF16: return n * 2;
         case Format::INT8: return n;
-        case Format::INT4: return n / 2;
+        case Format::INT4:
+        case Format::INT4_ASYM: return n / 2;
     }
     throw std::invalid_argument("unknown format");
 }
 
+static size_t scales_bytes(Format f, int rows, int cols, int group) {
+    return f == Format::BF16 ? 0 : size_t(rows) * size_t(cols / group) * 2;
+}
+
 size_t matrix_bytes(Format f, int rows, int cols, int group) {
-    size_t scales = f == Format::BF16 ? 0 : size_t(rows) * size_t(cols / group) * 2;
-    return align64(values_bytes(f, rows, cols)) + align64(scales);
+    const size_t scales = align64(scales_bytes(f, rows, cols, group));
+    return align64(values_bytes(f, rows, cols)) + (f == Format::INT4_ASYM ? 2 * scales : scales);
 }
 
 size_t expert_bytes(Format f, int hidden, int intermediate, int group) {
@@ -40,6 +45,9 @@ Matrix matrix_at(const uint8_t* base, Format f, int rows, int cols, int group, c
     m.group = group;
     m.format = f;
     if (f != Format::BF16) m.scales = reinterpret_cast<const uint16_t*>(base + align64(values_bytes(f, rows, cols)));
+    if (f == Format::INT4_ASYM)
+        m.mins = reinterpret_cast<const uint16_t*>(reinterpret_cast<const uint8_t*>(m.scales) +
+                                                   align64(scales_bytes(f, rows, cols, group)));
     return m;
 }
 
@@ -48,6 +56,7 @@ const char* format_name(Format f) {
         case Format::BF16: return "bf16";
         case Format::INT8: return "int8";
         case Format::INT4: return "int4";
+        case Format::INT4_ASYM: return "int4_asym";
     }
     return "?";
 }

@@ -28,7 +28,7 @@ void check_scales(const MoeLayerView& v) {
         for (const Matrix& m : {v.w13(e), v.w2(e)}) {
             const size_t n = size_t(m.rows) * (m.cols / m.group);
             for (size_t i = 0; i < n; ++i)
-                if (!std::isfinite(fp16_to_float(m.scales[i])))
+                if (!std::isfinite(fp16_to_float(m.scales[i])) || (m.mins && !std::isfinite(fp16_to_float(m.mins[i]))))
                     throw std::invalid_argument("buffer: non-finite scale in expert " + std::to_string(e));
         }
 }
@@ -161,6 +161,26 @@ void put_code(const Matrix& m, int r, int c, int q) {
     else byte = c % 8 < 4 ? uint8_t((byte & 0xf0) | q) : uint8_t((byte & 0x0f) | (q << 4));
 }
 
+// int4_asym: group g of row r as 16 evenly spaced steps from its minimum to its maximum (the fp16
+// values as stored decide the codes); false on a non-finite value.
+bool pack_group_asym(const float* wg, const Matrix& m, int r, int g) {
+    float lo = wg[0], hi = wg[0];
+    for (int j = 0; j < m.group; ++j) {
+        if (!std::isfinite(wg[j])) return false;
+        lo = std::min(lo, wg[j]);
+        hi = std::max(hi, wg[j]);
+    }
+    uint16_t& scale = *const_cast<uint16_t*>(int_scale_at(m, r, g));
+    uint16_t& min = *const_cast<uint16_t*>(int_min_at(m, r, g));
+    scale = float_to_fp16((hi - lo) / 15.f);
+    min = float_to_fp16(lo);
+    const float s = fp16_to_float(scale), base = fp16_to_float(min), inv = s > 0.f ? 1.f / s : 0.f;
+    if (!std::isfinite(s) || !std::isfinite(base)) return false;
+    for (int j = 0; j < m.group; ++j)
+        put_code(m, r, g * m.group + j, int(std::max(0.f, std::min(15.f, std::nearbyint((wg[j] - base) * inv)))));
+    return true;
+}
+
 // Quantizes row r of matrix m from its C float values; returns false on a non-finite value or scale.
 bool pack_row(const GroupQuantizer& quant, const float* w, const Matrix& m, int r) {
     const Format f = m.format;
@@ -176,6 +196,10 @@ bool pack_row(const GroupQuantizer& quant, const float* w, const Matrix& m, int 
     }
     for (int g = 0; g < cols / group; ++g) {
         const float* wg = w + g * group;
+        if (f == Format::INT4_ASYM) {
+            if (!pack_group_asym(wg, m, r, g)) return false;
+            continue;
+        }
         float amax = 0.f;
         for (int j = 0; j < group; ++j) {
             if (!std::isfinite(wg[j])) return false;
@@ -232,12 +256,16 @@ void pack_experts(ThreadPool& pool, const MoeLayerView& v, int e0, int e1, const
                                     ": non-finite value, or a scale beyond fp16's range");
 }
 
-void put_codes(const MoeLayerView& v, int e, bool w2, int row0, int rows, const uint8_t* codes, const uint16_t* scales) {
+void put_codes(const MoeLayerView& v, int e, bool w2, int row0, int rows, const uint8_t* codes, const uint16_t* scales,
+               const uint16_t* mins) {
     const Matrix m = w2 ? v.w2(e) : v.w13(e);
     const int groups = m.cols / m.group;
     for (int r = 0; r < rows; ++r) {
         for (int c = 0; c < m.cols; ++c) put_code(m, row0 + r, c, codes[size_t(r) * m.cols + c]);
-        for (int g = 0; g < groups; ++g) *const_cast<uint16_t*>(int_scale_at(m, row0 + r, g)) = scales[size_t(r) * groups + g];
+        for (int g = 0; g < groups; ++g) {
+            *const_cast<uint16_t*>(int_scale_at(m, row0 + r, g)) = scales[size_t(r) * groups + g];
+            if (m.mins) *const_cast<uint16_t*>(int_min_at(m, row0 + r, g)) = mins[size_t(r) * groups + g];
+        }
     }
 }
 
@@ -250,8 +278,10 @@ void dequantize(const Matrix& m, float* out) {
                 continue;
             }
             const uint8_t byte = *int_byte_at(m, r, c);
-            const float level = m.format == Format::INT8 ? float(int8_t(byte)) : float(m.levels[c % 8 < 4 ? byte & 0x0f : byte >> 4]);
-            out[c] = fp16_to_float(*int_scale_at(m, r, c / m.group)) * level;
+            const int code = c % 8 < 4 ? byte & 0x0f : byte >> 4;
+            const float scale = fp16_to_float(*int_scale_at(m, r, c / m.group));
+            if (m.format == Format::INT4_ASYM) out[c] = scale * float(code) + fp16_to_float(*int_min_at(m, r, c / m.group));
+            else out[c] = scale * (m.format == Format::INT8 ? float(int8_t(byte)) : float(m.levels[code]));
         }
 }
 
@@ -260,6 +290,14 @@ void pack_layer(ThreadPool& pool, const float* w13, const float* w2, Format f, i
     init_layer(f, experts, hidden, intermediate, group, nullptr, dst);
     const MoeLayerView v = MoeLayerView::parse(dst, layer_bytes(f, experts, hidden, intermediate, f == Format::BF16 ? 0 : group), false);
     pack_experts(pool, v, 0, experts, w13, w2);
+}
+
+void block_sums(const int8_t* q, int cols, int32_t* out) {
+    for (int b = 0; b < cols / kBlock; ++b, q += kBlock) {
+        int32_t sum = 0;
+        for (int j = 0; j < kBlock; ++j) sum += q[j];
+        out[b] = sum;
+    }
 }
 
 void int4_corrections(const int8_t* q, int cols, int32_t* out) {
@@ -317,7 +355,8 @@ int rows_per_task(int rows, int experts, int threads) {
 struct Prepared {
     std::vector<int8_t> q;
     std::vector<float> s, f;
-    std::vector<int32_t> c;  // int4 only
+    std::vector<int32_t> c;     // int4 only
+    std::vector<int32_t> sums;  // int4_asym only
 
     Activations view(const int32_t* index, int cols, size_t first_row) const {
         Activations a;
@@ -327,6 +366,7 @@ struct Prepared {
             a.q = q.data() + first_row * cols;
             a.s = s.data() + first_row * (cols / kBlock);
             if (!c.empty()) a.c = c.data() + first_row * (cols / 8);
+            if (!sums.empty()) a.sums = sums.data() + first_row * (cols / kBlock);
         } else {
             a.f = f.data() + first_row * cols;
         }
@@ -344,6 +384,7 @@ Prepared prepare(ThreadPool& pool, const KernelTable& k, Format f, int rows, int
         out.q.resize(size_t(rows) * cols);
         out.s.resize(size_t(rows) * (cols / kBlock));
         if (f == Format::INT4) out.c.resize(size_t(rows) * (cols / 8));
+        if (f == Format::INT4_ASYM) out.sums.resize(size_t(rows) * (cols / kBlock));
     } else {
         out.f.resize(size_t(rows) * cols);
     }
@@ -357,6 +398,7 @@ Prepared prepare(ThreadPool& pool, const KernelTable& k, Format f, int rows, int
             else k.quantize(tmp.data(), cols, activation_levels(f), out.q.data() + size_t(r) * cols,
                             out.s.data() + size_t(r) * (cols / kBlock));
             if (!out.c.empty()) int4_corrections(out.q.data() + size_t(r) * cols, cols, out.c.data() + size_t(r) * (cols / 8));
+            if (!out.sums.empty()) block_sums(out.q.data() + size_t(r) * cols, cols, out.sums.data() + size_t(r) * (cols / kBlock));
         }
     };
     const int tasks = (rows + chunk - 1) / chunk;

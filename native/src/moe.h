@@ -43,10 +43,10 @@ void init_layer(Format f, int experts, int hidden, int intermediate, int group, 
 void pack_experts(ThreadPool& pool, const MoeLayerView& layer, int e0, int e1, const float* w13, const float* w2);
 
 // Stores already-quantized rows [row0, row0 + rows) of expert e's w13 (or w2) as they are: codes
-// [rows][C] (int8 values, or int4 indices into the layer's levels, 0-15) and fp16 scales
-// [rows][C / G]. Arguments are validated by the caller.
+// [rows][C] (int8 values; int4 indices into the layer's levels; int4_asym q, all 0-15), fp16 scales
+// [rows][C / G] and, for int4_asym, fp16 minimums as the scales. Arguments are validated by the caller.
 void put_codes(const MoeLayerView& layer, int e, bool w2, int row0, int rows, const uint8_t* codes,
-               const uint16_t* scales);
+               const uint16_t* scales, const uint16_t* mins);
 
 // The float32 values a packed matrix stands for, [R][C] into out (the oracle of imports and tests).
 void dequantize(const Matrix& m, float* out);

@@ -15,7 +15,7 @@ from services.common.checkpoint import Checkpoint
 from services.common.errors import ConfigError
 from services.common.model_config import ModelConfig
 
-FORMATS = ("bf16", "int8", "int4")
+FORMATS = ("bf16", "int8", "int4", "int4_asym")
 DEFAULT_GROUP_SIZE = 32
 
 
@@ -30,57 +30,72 @@ def load_expert_stacks(checkpoint: Checkpoint, cfg: ModelConfig, layer: int) -> 
     return torch.stack(w13), torch.stack(w2)
 
 
+KINDS = ("gate", "up", "down")
+
+
 def pack_layer(checkpoint: Checkpoint, cfg: ModelConfig, layer: int, fmt: str, group_size: int, pool,
-               progress: Callable[[int], None] | None = None) -> np.ndarray:
+               progress: Callable[[int], None] | None = None, errors: dict | None = None) -> np.ndarray:
     """The layer's experts packed into one flat tandem_native buffer (uint8), one expert at a time
     (progress gets each expert's stored bytes once it is in).
 
-    Experts whose stored codes are already `fmt`'s (see sources.base.QuantizedWeight) are copied in
-    as they are, with the checkpoint's group size and levels; the rest are quantized from floats.
+    Tensors whose stored codes are already `fmt`'s (see sources.base.QuantizedWeight) are copied in
+    as they are, with the checkpoint's group size and levels; the rest are quantized from floats, and
+    with `errors` given, errors[kind] accumulates [squared error, squared norm] of each kind of those.
     """
     import tandem_native
 
     if fmt not in FORMATS:
         raise ConfigError(f"expert format must be one of {', '.join(FORMATS)}, got {fmt!r}")
-    m, d = cfg.moe, cfg.hidden_size
+    m, d, i = cfg.moe, cfg.hidden_size, cfg.moe.intermediate_size
     names = [cfg.expert_tensor_names(layer, e) for e in range(m.num_experts)]
-    first = _importable(checkpoint, names[0], fmt, d, m.intermediate_size)
-    group = first[0].group if first else group_size
-    levels = list(first[0].levels) if first and fmt == "int4" else None
-    buf = tandem_native.new_layer(fmt, m.num_experts, d, m.intermediate_size, group, levels)
+    known = next((q for q in _stored_codes(checkpoint, names[0], fmt, d, i) if q), None)
+    group = known.group if known else group_size
+    levels = list(known.levels) if known and fmt == "int4" else None
+    buf = tandem_native.new_layer(fmt, m.num_experts, d, i, group, levels)
     for e, expert in enumerate(names):
-        codes = _importable(checkpoint, expert, fmt, d, m.intermediate_size)
-        if codes and all(q.group == group and (levels is None or list(q.levels) == levels) for q in codes):
-            _put(buf, e, codes, m.intermediate_size)
-        else:
-            w13, w2 = _float_expert(checkpoint, expert, d, m.intermediate_size)
+        codes = [q if q and q.group == group and (levels is None or list(q.levels) == levels) else None
+                 for q in _stored_codes(checkpoint, expert, fmt, d, i)]
+        if not all(codes):
+            w13, w2 = _float_expert(checkpoint, expert, d, i)
             tandem_native.pack_into(buf, e, w13[None], w2[None], pool)
+            if errors is not None:
+                _add_errors(errors, buf, e, codes, w13, w2)
+        _put(buf, e, codes, i)
         if progress:
             progress(sum(checkpoint.stored_bytes(n) for n in expert))
     return buf
 
 
-def _importable(checkpoint: Checkpoint, expert: tuple[str, str, str], fmt: str, d: int, i: int):
-    """The expert's (gate, up, down) stored codes when all three are in `fmt` with a group the
-    kernels take; None otherwise."""
+def _stored_codes(checkpoint: Checkpoint, expert: tuple[str, str, str], fmt: str, d: int, i: int) -> list:
+    """Each of the expert's (gate, up, down) stored codes when they are in `fmt` with a group the
+    kernels take, else None."""
     if fmt == "bf16":
-        return None
-    gate, up, down = expert
-    codes = (checkpoint.quantized(gate, (i, d)), checkpoint.quantized(up, (i, d)), checkpoint.quantized(down, (d, i)))
-    ok = all(q is not None and q.format == fmt for q in codes)
-    group = codes[0].group if ok else 0
-    if not ok or any(q.group != group for q in codes) or group % 32 or d % group or i % group:
-        return None
-    return codes
+        return [None, None, None]
+    shapes = ((i, d), (i, d), (d, i))
+    codes = [checkpoint.quantized(name, shape) for name, shape in zip(expert, shapes)]
+    return [q if q is not None and q.format == fmt and q.group % 32 == 0 and d % q.group == 0 and i % q.group == 0
+            else None for q in codes]
 
 
-def _put(buf: np.ndarray, e: int, codes, i: int) -> None:
+def _put(buf: np.ndarray, e: int, codes: list, i: int) -> None:
     import tandem_native
 
-    gate, up, down = codes
-    tandem_native.put_codes(buf, e, "w13", 0, gate.codes, gate.scales)
-    tandem_native.put_codes(buf, e, "w13", i, up.codes, up.scales)
-    tandem_native.put_codes(buf, e, "w2", 0, down.codes, down.scales)
+    for q, (matrix, row0) in zip(codes, (("w13", 0), ("w13", i), ("w2", 0))):
+        if q is not None:
+            tandem_native.put_codes(buf, e, matrix, row0, q.codes, q.scales, q.mins)
+
+
+def _add_errors(errors: dict, buf: np.ndarray, e: int, codes: list, w13: np.ndarray, w2: np.ndarray) -> None:
+    import tandem_native
+
+    i = w13.shape[0] // 2
+    packed13, packed2 = tandem_native.dequantize(buf, e, "w13"), tandem_native.dequantize(buf, e, "w2")
+    parts = ((packed13[:i], w13[:i]), (packed13[i:], w13[i:]), (packed2, w2))
+    for kind, q, (got, want) in zip(KINDS, codes, parts):
+        if q is None:
+            acc = errors.setdefault(kind, [0.0, 0.0])
+            acc[0] += float(np.square(got - want, dtype=np.float64).sum())
+            acc[1] += float(np.square(want, dtype=np.float64).sum())
 
 
 def _float_expert(checkpoint: Checkpoint, expert: tuple[str, str, str], d: int, i: int) -> tuple[np.ndarray, np.ndarray]:

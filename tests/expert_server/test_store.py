@@ -102,6 +102,8 @@ def test_quantized_checkpoints_convert_to_the_layers_packing_at_load_gives(kind,
     layers = store.moe_layers(cfg, None)
     report = store.convert(ckpt, cfg, layers, fmt, 64, pool, tmp_path / "s.tandem")
     assert report.read_bytes == store.source_bytes(ckpt, cfg, layers) and report.peak_rss > 0
+    assert (report.errors == {}) == (kind == "int4")  # imported as stored, or quantized again
+    assert all(0 < e < (0.02 if fmt == "int8" else 0.15) for e in report.errors.values()), report.errors
     mapped = store.open_store(tmp_path / "s.tandem", ckpt, cfg, layers, fmt, 64)
     for layer in layers:
         fresh = tandem_native.MoeLayer(pack_layer(ckpt, cfg, layer, fmt, 64, pool))

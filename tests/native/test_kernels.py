@@ -9,7 +9,7 @@ tn = pytest.importorskip("tandem_native")
 pytestmark = pytest.mark.native
 
 E, D, I, K = 16, 256, 128, 4
-TOLERANCE = {"bf16": 1e-2, "int8": 3e-2, "int4": 0.15}
+TOLERANCE = {"bf16": 1e-2, "int8": 3e-2, "int4": 0.15, "int4_asym": 0.15}
 ALL_ISAS = ("generic", "avx2", "avx512", "avx512_vnni", "avx512_bf16", "amx")  # worst to best
 
 
@@ -181,7 +181,7 @@ def test_filling_expert_by_expert_gives_the_buffer_pack_experts_gives(layer_weig
 
 def test_put_codes_stores_codes_and_scales_as_they_are(pool):
     rng = np.random.default_rng(5)
-    for fmt, top in (("int8", 256), ("int4", 16)):
+    for fmt, top in (("int8", 256), ("int4", 16), ("int4_asym", 16)):
         buf = tn.new_layer(fmt, 2, 64, 64, 32, list(range(-8, 8)) if fmt == "int4" else None)
         rows = {"w13": 128, "w2": 64}
         want = {}
@@ -189,9 +189,12 @@ def test_put_codes_stores_codes_and_scales_as_they_are(pool):
             for m, r in rows.items():
                 codes = rng.integers(0, top, (r, 64), dtype=np.uint8)
                 scales = rng.uniform(0.01, 1, (r, 2)).astype(np.float16)
-                tn.put_codes(buf, e, m, 0, codes, scales.view(np.uint16))
-                levels = codes.view(np.int8) if fmt == "int8" else codes.astype(np.int8) - 8
+                mins = rng.uniform(-1, 0, (r, 2)).astype(np.float16) if fmt == "int4_asym" else None
+                tn.put_codes(buf, e, m, 0, codes, scales.view(np.uint16), None if mins is None else mins.view(np.uint16))
+                levels = codes.view(np.int8) if fmt == "int8" else codes.astype(np.int8) - (8 if fmt == "int4" else 0)
                 want[e, m] = levels.astype(np.float32) * np.repeat(scales.astype(np.float32), 32, axis=1)
+                if mins is not None:
+                    want[e, m] += np.repeat(mins.astype(np.float32), 32, axis=1)
         layer = tn.MoeLayer(buf)
         for (e, m), w in want.items():
             assert np.array_equal(tn.dequantize(layer, e, m), w)

@@ -193,7 +193,11 @@ def test_filling_calls_reject_bad_arguments(pool):
         (lambda: tn.put_codes(buf, 0, "w3", 0, codes, scales), "matrix: 'w13' or 'w2'"),
         (lambda: tn.put_codes(buf, 5, "w13", 0, codes, scales), "expert: 5 out of range"),
         (lambda: tn.put_codes(buf, 0, "w2", 62, codes, scales), "row0: rows \\[62, 66\\) out of range"),
-        (lambda: tn.put_codes(buf, 0, "w13", 0, codes + 16, scales), "int4 codes must be in \\[0, 15\\]"),
+        (lambda: tn.put_codes(buf, 0, "w13", 0, codes + 16, scales), "4-bit codes must be in \\[0, 15\\]"),
+        (lambda: tn.put_codes(buf, 0, "w13", 0, codes, scales, scales), "mins: int4_asym layers need them"),
+        (lambda: tn.put_codes(tn.new_layer("int4_asym", 2, 64, 64), 0, "w13", 0, codes, scales), "mins: int4_asym"),
+        (lambda: tn.put_codes(tn.new_layer("int4_asym", 2, 64, 64), 0, "w13", 0, codes, scales, np.zeros((4, 1), np.uint16)),
+         "mins: shape"),
         (lambda: tn.put_codes(buf, 0, "w13", 0, codes, np.zeros((4, 1), np.uint16)), "scales: shape"),
         (lambda: tn.put_codes(tn.new_layer("bf16", 2, 64, 64), 0, "w13", 0, codes, scales), "a bf16 layer has no codes"),
     ]

@@ -16,15 +16,19 @@
 //           `levels`): w = scale * levels[q]. Quantizing float weights uses kInt4Levels (non-uniform,
 //           as llama.cpp's IQ4_NL); a checkpoint already in 16 levels per group (uniform int4 with
 //           a scale, Q4_0, IQ4_NL) keeps its own, so it imports without a second rounding.
-//   The scales follow the values, tile by tile: [R/16][C/G][16 rows] fp16.
+//     int4_asym: int4's tiles of 4-bit codes q in 0-15 (no levels): w = scale * q + min, with an fp16
+//           scale and an fp16 minimum per group (llama.cpp's Q4_1; Q4_K's sub-blocks).
+//   The scales follow the values, tile by tile: [R/16][C/G][16 rows] fp16; int4_asym's minimums
+//   follow the scales in the same order.
 #pragma once
 #include <cstddef>
 #include <cstdint>
 
 namespace tandem {
 
-enum class Format : uint32_t { BF16 = 0, INT8 = 1, INT4 = 2 };
-constexpr int kFormats = 3;
+enum class Format : uint32_t { BF16 = 0, INT8 = 1, INT4 = 2, INT4_ASYM = 3 };
+constexpr int kFormats = 4;
+constexpr bool four_bit(Format f) { return f == Format::INT4 || f == Format::INT4_ASYM; }
 constexpr int kBlock = 32;  // activation quantization block, and the int8/int4 weight block
 constexpr int kTileRows = 4;       // rows of a bf16 tile
 constexpr int kIntTileRows = 16;   // rows of an int8 / int4 tile
@@ -52,6 +56,7 @@ static_assert(sizeof(Header) == 64, "header is 64 bytes");
 struct Matrix {
     const uint8_t* data = nullptr;     // quantized values (or bf16)
     const uint16_t* scales = nullptr;  // fp16 [rows][cols / group]; null for bf16
+    const uint16_t* mins = nullptr;    // int4_asym: fp16 [rows][cols / group], as the scales
     const int8_t* levels = nullptr;    // int4: the layer's 16 levels (the header's)
     int rows = 0, cols = 0, group = 0;
     Format format = Format::BF16;
@@ -63,12 +68,12 @@ size_t expert_bytes(Format f, int hidden, int intermediate, int group);
 size_t layer_bytes(Format f, int experts, int hidden, int intermediate, int group);
 Matrix matrix_at(const uint8_t* base, Format f, int rows, int cols, int group, const int8_t* levels);
 // What a matrix's columns (and the hidden and intermediate sizes) must be a multiple of: 16 (bf16,
-// its block width), 32 (int8), 64 (int4, a whole number of bytes per tile row); a shift, so the
-// bf16 address arithmetic has no division in it.
-constexpr int block_shift(Format f) { return 4 + int(f); }
+// its block width), 32 (int8), 64 (int4 and int4_asym, a whole number of bytes per tile row); a
+// shift, so the bf16 address arithmetic has no division in it.
+constexpr int block_shift(Format f) { return f == Format::BF16 ? 4 : f == Format::INT8 ? 5 : 6; }
 constexpr int block_cols(Format f) { return 1 << block_shift(f); }
 static_assert(block_cols(Format::BF16) == 16 && block_cols(Format::INT8) == kBlock &&
-              block_cols(Format::INT4) == 2 * kBlock);
+              block_cols(Format::INT4) == 2 * kBlock && block_cols(Format::INT4_ASYM) == 2 * kBlock);
 constexpr int kBlockBytes = 32;  // bytes per bf16 block, and per step of an int tile's 8 rows
 // Address of block b (of block_cols columns) of row r, bf16.
 inline const uint8_t* block_at(const Matrix& m, int r, int b) {
@@ -88,10 +93,12 @@ inline const uint8_t* int_byte_at(const Matrix& m, int r, int c) {
     const int step = int_step_cols(m.format);
     return int_block_at(m, r, c / kBlock) + ((c % kBlock) / step * kIntTileRows + r % kIntTileRows) * 4 + c % 4;
 }
-// The fp16 scale of group g of row r.
-inline const uint16_t* int_scale_at(const Matrix& m, int r, int g) {
-    return m.scales + (int64_t(r / kIntTileRows) * (m.cols / m.group) + g) * kIntTileRows + r % kIntTileRows;
+// The fp16 scale of group g of row r (and, at the same offset from m.mins, its int4_asym minimum).
+inline int64_t int_group_index(const Matrix& m, int r, int g) {
+    return (int64_t(r / kIntTileRows) * (m.cols / m.group) + g) * kIntTileRows + r % kIntTileRows;
 }
+inline const uint16_t* int_scale_at(const Matrix& m, int r, int g) { return m.scales + int_group_index(m, r, g); }
+inline const uint16_t* int_min_at(const Matrix& m, int r, int g) { return m.mins + int_group_index(m, r, g); }
 const char* format_name(Format f);
 
 // fp16 / bf16 <-> fp32 conversions used by packing and the generic kernels.

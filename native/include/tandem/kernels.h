@@ -17,6 +17,7 @@ struct Activations {
     const int8_t* q = nullptr;  // [rows][C]
     const float* s = nullptr;   // [rows][C / 32]
     const int32_t* c = nullptr;  // int4 weights: [rows][C / 8] from int4_corrections
+    const int32_t* sums = nullptr;  // int4_asym weights: [rows][C / 32], each block's sum of q
     const int32_t* index = nullptr;
     int cols = 0;
 
@@ -36,6 +37,8 @@ constexpr int activation_levels(Format f) { return f == Format::INT4 ? 63 : 127;
 // columns of a quantized row (one step of format.h's int4 tile, columns j and j + 4 sharing a
 // byte): two int16 in one int32, 128 * (x0 + x1 + x4 + x5) low and 128 * (x2 + x3 + x6 + x7) high.
 void int4_corrections(const int8_t* q, int cols, int32_t* out);
+// Each 32-column block's sum of a quantized row (int4_asym: the minimums' share of a product).
+void block_sums(const int8_t* q, int cols, int32_t* out);
 // One row of C fp32 values -> the layout this variant's bf16 matmul reads, C floats' worth of bytes
 // (may reorder the columns, or split each value into two bf16 parts).
 using ArrangeFn = void (*)(const float* x, int cols, float* out);

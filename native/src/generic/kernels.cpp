@@ -33,13 +33,15 @@ void matmul_bf16(const Matrix& w, int r0, int r1, const Activations& x, int n, f
     }
 }
 
-// Shared by int8 and int4: `unpack` turns block b of row r into 32 signed values.
+// Shared by the integer formats: `unpack` turns block b of row r into 32 codes; int4_asym adds each
+// block's minimum times the token's sum over the block.
 template <typename Unpack>
 void matmul_int(const Matrix& w, int r0, int r1, const Activations& x, int n, float* y, int ldy, Unpack unpack) {
     const int blocks = w.cols / kBlock, per_group = w.group / kBlock;
     int8_t wq[kBlock];
     for (int r = r0; r < r1; ++r) {
         auto scale = [&](int b) { return fp16_to_float(*int_scale_at(w, r, b / per_group)); };
+        auto min = [&](int b) { return fp16_to_float(*int_min_at(w, r, b / per_group)); };
         for (int i = 0; i < n; ++i) {
             const int8_t* xq = x.q + x.row(i) * x.cols;
             const float* xs = x.s + x.row(i) * blocks;
@@ -49,6 +51,7 @@ void matmul_int(const Matrix& w, int r0, int r1, const Activations& x, int n, fl
                 int32_t dot = 0;
                 for (int j = 0; j < kBlock; ++j) dot += int32_t(wq[j]) * xq[b * kBlock + j];
                 acc += float(dot) * (xs[b] * scale(b));
+                if (w.mins) acc += min(b) * (xs[b] * float(x.sums[x.row(i) * blocks + b]));
             }
             y[int64_t(i) * ldy + (r - r0)] = acc;
         }
@@ -70,6 +73,15 @@ void matmul_int4(const Matrix& w, int r0, int r1, const Activations& x, int n, f
     });
 }
 
+void matmul_int4_asym(const Matrix& w, int r0, int r1, const Activations& x, int n, float* y, int ldy) {
+    matmul_int(w, r0, r1, x, n, y, ldy, [&](int r, int b, int8_t* out) {
+        for (int j = 0; j < kBlock; ++j) {
+            const uint8_t byte = *int_byte_at(w, r, b * kBlock + j);
+            out[j] = int8_t(j % 8 < 4 ? byte & 0x0f : byte >> 4);
+        }
+    });
+}
+
 void arrange(const float* x, int cols, float* out) { std::copy(x, x + cols, out); }
 
 void silu_mul(const float* gate_up, int intermediate, float* h) {
@@ -82,7 +94,7 @@ void silu_mul(const float* gate_up, int intermediate, float* h) {
 }  // namespace
 
 const KernelTable& generic_kernels() {
-    static const KernelTable table{"generic", {matmul_bf16, matmul_int8, matmul_int4}, quantize, arrange, silu_mul};
+    static const KernelTable table{"generic", {matmul_bf16, matmul_int8, matmul_int4, matmul_int4_asym}, quantize, arrange, silu_mul};
     return table;
 }
 

@@ -184,12 +184,14 @@ struct TokenRows {
     const int8_t* q[N];
     const float* s[N];
     const int32_t* c[N];
+    const int32_t* sums[N];
 
     TokenRows(const Activations& x, int i) {
         for (int t = 0; t < N; ++t) {
             q[t] = x.q + x.row(i + t) * x.cols;
             s[t] = x.s + x.row(i + t) * (x.cols / kBlock);
             c[t] = x.c ? x.c + x.row(i + t) * (x.cols / 8) : nullptr;
+            sums[t] = x.sums ? x.sums + x.row(i + t) * (x.cols / kBlock) : nullptr;
         }
     }
 };
@@ -205,6 +207,18 @@ inline void scale_block(const uint16_t* ws, const float* const* xs, int b, const
         const __m256 x_scale = _mm256_broadcast_ss(xs[i] + b);
         for (int h = 0; h < kHalves; ++h)
             acc[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[i][h]), _mm256_mul_ps(wsh[h], x_scale), acc[i][h]);
+    }
+}
+
+// int4_asym: acc[i][h] += the block's row minimums (fp16, 16 rows, at wm) * token i's x scale * its
+// sum over the block.
+template <int N>
+inline void min_block(const uint16_t* wm, const TokenRows<N>& t, int b, __m256 (&acc)[N][kHalves]) {
+    __m256 m[kHalves];
+    for (int h = 0; h < kHalves; ++h) m[h] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wm + 8 * h)));
+    for (int i = 0; i < N; ++i) {
+        const __m256 f = _mm256_set1_ps(t.s[i][b] * float(t.sums[i][b]));
+        for (int h = 0; h < kHalves; ++h) acc[i][h] = _mm256_fmadd_ps(m[h], f, acc[i][h]);
     }
 }
 
@@ -237,6 +251,7 @@ void int_tile(const Matrix& w, int r, const TokenRows<N>& t, float* y, int ldy, 
             for (auto& d : row) d = _mm256_setzero_si256();
         for (int s = 0; s < kBlock / int_step_cols(F); ++s, p += kHalves * 32) step(p, b, s, dot);
         scale_block<N>(ws.at, t.s, b, dot, acc);
+        if constexpr (F == Format::INT4_ASYM) min_block<N>(w.mins + (ws.at - w.scales), t, b, acc);
     }
     for (int i = 0; i < N; ++i)
         for (int h = 0; h < kHalves; ++h) _mm256_storeu_ps(y + int64_t(i) * ldy + 8 * h, acc[i][h]);
@@ -304,6 +319,31 @@ void int4_tile(const Matrix& w, int r, const TokenRows<N>& t, float* y, int ldy)
     });
 }
 
+// int4_asym: codes 0-15 are unsigned as they are, so each step is two dot products with the
+// token's full 8-bit x (a pair's 2 * 15 * 127 cannot saturate maddubs); the minimums come in per block.
+template <int N>
+void int4_asym_tile(const Matrix& w, int r, const TokenRows<N>& t, float* y, int ldy) {
+    const __m256i mask = _mm256_set1_epi8(0x0f);
+    int_tile<N, Format::INT4_ASYM>(w, r, t, y, ldy, [&](const uint8_t* p, int b, int s, __m256i (&dot)[N][kHalves]) {
+        __m256i lo[kHalves], hi[kHalves];
+        for (int h = 0; h < kHalves; ++h) {
+            const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * h));
+            lo[h] = _mm256_and_si256(raw, mask);
+            hi[h] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
+        }
+        const int col = b * kBlock + 8 * s;
+        for (int i = 0; i < N; ++i) {
+            const __m256i xlo = broadcast4(t.q[i] + col), xhi = broadcast4(t.q[i] + col + 4);
+            for (int h = 0; h < kHalves; ++h) dot[i][h] = dot_u8s8(dot_u8s8(dot[i][h], lo[h], xlo), hi[h], xhi);
+        }
+    });
+}
+
+template <int N>
+void int4_asym_tokens(const Matrix& w, int r, const Activations& x, int i, float* y, int ldy) {
+    int4_asym_tile<N>(w, r, TokenRows<N>(x, i), y + int64_t(i) * ldy, ldy);
+}
+
 template <int N>
 void int8_tokens(const Matrix& w, int r, const Activations& x, int i, float* y, int ldy) {
     int8_tile<N>(w, r, TokenRows<N>(x, i), y + int64_t(i) * ldy, ldy);
@@ -331,6 +371,16 @@ void matmul_int4(const Matrix& w, int r0, int r1, const Activations& x, int n, f
         int i = 0;
         for (; i + kInt4Tokens <= n; i += kInt4Tokens) int4_tokens<kInt4Tokens>(w, r, x, i, yr, ldy);
         if (i < n) int4_tokens<1>(w, r, x, i, yr, ldy);
+    }
+}
+
+void matmul_int4_asym(const Matrix& w, int r0, int r1, const Activations& x, int n, float* y, int ldy) {
+    for (int r = r0; r < r1; r += kIntTileRows) {
+        float* yr = y + (r - r0);
+        int i = 0;
+        for (; i + kTokensPerLoad <= n; i += kTokensPerLoad) int4_asym_tokens<kTokensPerLoad>(w, r, x, i, yr, ldy);
+        for (; i + 2 <= n; i += 2) int4_asym_tokens<2>(w, r, x, i, yr, ldy);
+        if (i < n) int4_asym_tokens<1>(w, r, x, i, yr, ldy);
     }
 }
 
@@ -377,7 +427,7 @@ void silu_mul(const float* gate_up, int intermediate, float* h) {
 
 // The kernel table of the including variant.
 KernelTable simd_table(const char* name) {
-    return {name, {matmul_bf16, matmul_int8, matmul_int4}, quantize, arrange, silu_mul};
+    return {name, {matmul_bf16, matmul_int8, matmul_int4, matmul_int4_asym}, quantize, arrange, silu_mul};
 }
 
 }  // namespace

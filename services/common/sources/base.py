@@ -20,13 +20,15 @@ from services.common.errors import CheckpointError
 
 @dataclass(frozen=True)
 class QuantizedWeight:
-    """A weight in a packed format's own terms: w[o, i] = fp16(scales[o, i // G]) * level(codes[o, i])."""
+    """A weight in a packed format's own terms: w[o, i] = fp16(scales[o, i // G]) * level(codes[o, i]),
+    plus fp16(mins[o, i // G]) for int4_asym."""
 
-    format: str          # "int8" (codes are the int8 values' bits) or "int4" (indices into levels)
+    format: str          # "int8" (codes: the int8 values' bits), "int4" (indices into levels), "int4_asym" (q 0-15)
     codes: np.ndarray    # uint8 [O, I]
     scales: np.ndarray   # uint16 [O, I / G]: fp16 bits
     group: int
     levels: tuple[int, ...] = ()  # int4: the 16 int8 levels, strictly increasing
+    mins: np.ndarray | None = None  # int4_asym: uint16 [O, I / G], fp16 bits
 
 
 class TensorSource(ABC):

@@ -2,7 +2,9 @@
 merged expert tensors sliced per expert, DeepSeek's split attn_k_b / attn_v_b joined into kv_b_proj.
 
 Q8_0, Q4_0 and IQ4_NL store 32 values under one fp16 scale with int8 or 16-level codes: the packed
-int8 / int4 formats exactly, so experts of those types import without a second rounding.
+int8 / int4 formats exactly, so experts of those types import without a second rounding; Q4_1 (an
+fp16 scale and minimum per 32) is int4_asym exactly, and Q4_K's 32-value sub-blocks are int4_asym
+with their scales and minimums rounded to fp16.
 E experts, I expert intermediate size, H heads, L kv_lora_rank, N/V the MLA nope and value head sizes.
 """
 
@@ -165,7 +167,7 @@ class GgufSource(TensorSource):
     def quantized(self, name: str) -> QuantizedWeight | None:
         ref = self.refs[name]
         kind = self.g.type_name(ref.tensor)
-        if ref.kv_b or ref.permute or kind not in ("Q8_0", "Q4_0", "IQ4_NL"):
+        if ref.kv_b or ref.permute or kind not in BLOCK_BYTES:
             return None
         raw = self.g.raw(ref.tensor, ref.expert)
         if ref.rows is not None:
@@ -176,17 +178,46 @@ class GgufSource(TensorSource):
         self.g.fingerprint(h)
 
 
-def blocks_to_codes(raw: np.ndarray, kind: str) -> QuantizedWeight:
-    """Rows of Q8_0 / Q4_0 / IQ4_NL blocks (uint8 [O, blocks * bytes]) -> codes [O, I] and fp16 scales.
+BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "IQ4_NL": 18, "Q4_1": 20, "Q4_K": 144}
 
-    A block is an fp16 scale and 32 codes: Q8_0 32 int8 values; Q4_0 and IQ4_NL 16 bytes whose low
-    nibbles are values 0-15 and high nibbles values 16-31 (Q4_0: value = nibble - 8; IQ4_NL: a level)."""
-    per = 34 if kind == "Q8_0" else 18
+
+def _halves(body: np.ndarray) -> np.ndarray:
+    """[..., 16 bytes] of 32 4-bit codes (low nibbles 0-15, high nibbles 16-31) -> [..., 32]."""
+    return np.concatenate((body & 0x0F, body >> 4), axis=-1)
+
+
+def blocks_to_codes(raw: np.ndarray, kind: str) -> QuantizedWeight:
+    """Rows of one block type (uint8 [O, blocks * bytes]) -> codes [O, I] with fp16 scales (and mins).
+
+    Q8_0: an fp16 scale, 32 int8 values. Q4_0 / IQ4_NL: an fp16 scale, 32 4-bit codes (value =
+    code - 8, or an IQ4_NL level). Q4_1: fp16 scale d and minimum m, 32 codes: d * q + m."""
     o = raw.shape[0]
-    blocks = raw.reshape(o, -1, per)
-    scales = np.ascontiguousarray(blocks[:, :, :2]).view(np.uint16).reshape(o, -1)
-    body = blocks[:, :, 2:]
+    if kind == "Q4_K":
+        return _q4_k(raw.reshape(o, -1, BLOCK_BYTES[kind]))
+    blocks = raw.reshape(o, -1, BLOCK_BYTES[kind])
+    halves = lambda a: np.ascontiguousarray(a).view(np.uint16).reshape(o, -1)  # noqa: E731
     if kind == "Q8_0":
-        return QuantizedWeight("int8", np.ascontiguousarray(body).reshape(o, -1), scales, 32)
-    codes = np.concatenate((body & 0x0F, body >> 4), axis=2).reshape(o, -1)
-    return QuantizedWeight("int4", codes, scales, 32, UNIFORM_LEVELS if kind == "Q4_0" else IQ4_NL_LEVELS)
+        return QuantizedWeight("int8", np.ascontiguousarray(blocks[:, :, 2:]).reshape(o, -1), halves(blocks[:, :, :2]), 32)
+    if kind == "Q4_1":
+        return QuantizedWeight("int4_asym", _halves(blocks[:, :, 4:]).reshape(o, -1), halves(blocks[:, :, :2]), 32,
+                               mins=halves(blocks[:, :, 2:4]))
+    return QuantizedWeight("int4", _halves(blocks[:, :, 2:]).reshape(o, -1), halves(blocks[:, :, :2]), 32,
+                           UNIFORM_LEVELS if kind == "Q4_0" else IQ4_NL_LEVELS)
+
+
+def _q4_k(blocks: np.ndarray) -> QuantizedWeight:
+    """Q4_K super-blocks [O, S, 144] of 256 values: fp16 d and dmin, 8 six-bit (scale, min) pairs packed
+    in 12 bytes, then 4 runs of 32 bytes whose low nibbles are one 32-value sub-block and high nibbles
+    the next. Sub-block j: w = d * sc_j * q - dmin * m_j, as int4_asym with those rounded to fp16."""
+    import gguf
+
+    o, s, _ = blocks.shape
+    d = blocks[:, :, 0:2].copy().view(np.float16).astype(np.float32)       # [O, S, 1]
+    dmin = blocks[:, :, 2:4].copy().view(np.float16).astype(np.float32)    # [O, S, 1]
+    sc, m = gguf.quants.Q4_K.get_scale_min(blocks[:, :, 4:16].reshape(o * s, 12))
+    scales = (d * sc.reshape(o, s, 8).astype(np.float32)).astype(np.float16)
+    mins = (-(dmin * m.reshape(o, s, 8).astype(np.float32))).astype(np.float16)
+    qs = blocks[:, :, 16:].reshape(o, s, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)
+    codes = (qs & 0x0F).reshape(o, -1)
+    return QuantizedWeight("int4_asym", np.ascontiguousarray(codes, dtype=np.uint8), scales.view(np.uint16).reshape(o, -1),
+                           32, mins=mins.view(np.uint16).reshape(o, -1))

@@ -18,11 +18,12 @@ from services.dense.sampling import SamplingParams
 from services.dense.tokenizer import Tokenizer
 from tests.checkpoints import checkpoint
 from tests.conftest import PROMPT, load_fp32
-from tests.gguf_files import gguf_model, gguf_reference
+from tests.expert_server.servers import ROOT
+from tests.gguf_files import gguf_model, gguf_reference, qwen3_reference
 from tests.reference.hf_oracle import hf_greedy, hf_logits
 
 FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3", "deepseek_v2")
-CASES = [(f, "Q8_0") for f in FAMILIES] + [("qwen3_moe", q) for q in ("F32", "BF16", "Q4_0")] + [("deepseek_v3", "Q4_0")]
+CASES = [(f, "Q8_0") for f in FAMILIES] + [("qwen3_moe", q) for q in ("F32", "BF16", "Q4_0", "Q4_1")] + [("deepseek_v3", "Q4_0")]
 
 
 @pytest.mark.parametrize("name, qtype", CASES)
@@ -50,15 +51,15 @@ def test_a_gguf_next_to_a_hugging_face_directory_greedy_decodes_as_transformers(
 
 
 @pytest.mark.native
-@pytest.mark.parametrize("qtype, fmt", [("Q8_0", "int8"), ("Q4_0", "int4")])
-def test_q8_0_and_q4_0_experts_import_bit_exact(qtype, fmt):
+@pytest.mark.parametrize("qtype, fmt", [("Q8_0", "int8"), ("Q4_0", "int4"), ("Q4_1", "int4_asym")])
+def test_q8_0_q4_0_and_q4_1_experts_import_bit_exact(qtype, fmt):
     import tandem_native as tn
 
     ckpt = Checkpoint(resolve_model(gguf_model("qwen3_moe", qtype)))
     cfg = parse_model_config(ckpt.config)
     ref = load_file(gguf_reference("qwen3_moe", qtype) / "model.safetensors")
     layer = tn.MoeLayer(pack_layer(ckpt, cfg, 0, fmt, 64, tn.ThreadPool(1)))
-    assert layer.group_size == 32 and layer.levels == ([] if fmt == "int8" else list(range(-8, 8)))
+    assert layer.group_size == 32 and layer.levels == (list(range(-8, 8)) if fmt == "int4" else [])
     for e in range(cfg.moe.num_experts):
         gate, up, down = (ref[n] for n in cfg.expert_tensor_names(0, e))
         assert np.array_equal(tn.dequantize(layer, e, "w13"), torch.cat((gate, up)).numpy())
@@ -128,3 +129,45 @@ def test_metadata_that_disagrees_with_the_given_config(tmp_path):
 def test_a_gguf_flag_that_is_not_a_gguf_file(tmp_path):
     with pytest.raises(ConfigError, match="is not a .gguf file"):
         resolve_model(checkpoint("qwen3_moe"), tmp_path / "nothing.gguf")
+
+
+# ---------------------------------------------------------------- llama.cpp's own K-quant and IQ files
+
+FIXTURES = sorted((ROOT / "tests" / "fixtures" / "gguf").glob("*.gguf"))
+
+
+@pytest.fixture(scope="module")
+def fixture_reference(tmp_path_factory):
+    made = {}
+
+    def get(path):
+        if path not in made:
+            made[path] = qwen3_reference(path, tmp_path_factory.mktemp(path.stem))
+        return made[path]
+    return get
+
+
+@pytest.mark.parametrize("path", FIXTURES, ids=lambda p: p.stem.split("-")[-1])
+def test_llama_cpp_quantized_files_match_transformers_on_their_dequantized_tensors(path, fixture_reference):
+    model_dir = resolve_model(path)
+    ids = Tokenizer(model_dir).encode(PROMPT)
+    model, _ = load_fp32(model_dir)
+    ours = model.forward(torch.tensor(ids), model.new_cache(len(ids)))
+    assert (ours - hf_logits(fixture_reference(path), ids)).abs().max().item() <= 1e-4
+
+
+@pytest.mark.native
+@pytest.mark.parametrize("kind, fmt, tolerance", [("IQ4_NL", "int4", 0.0), ("Q4_K_pure", "int4_asym", 1e-3)])
+def test_iq4_nl_imports_exactly_and_q4_k_within_fp16_rounding(kind, fmt, tolerance, fixture_reference):
+    import tandem_native as tn
+
+    path = next(p for p in FIXTURES if p.stem.endswith(kind))
+    ckpt = Checkpoint(resolve_model(path))
+    cfg = parse_model_config(ckpt.config)
+    ref = load_file(fixture_reference(path) / "model.safetensors")
+    layer = tn.MoeLayer(pack_layer(ckpt, cfg, 0, fmt, 64, tn.ThreadPool(1)))
+    assert layer.group_size == 32
+    for e in range(cfg.moe.num_experts):
+        gate, up, down = (ref[n].numpy() for n in cfg.expert_tensor_names(0, e))
+        for got, want in ((tn.dequantize(layer, e, "w13"), np.concatenate((gate, up))), (tn.dequantize(layer, e, "w2"), down)):
+            assert np.linalg.norm(got - want) <= tolerance * np.linalg.norm(want)

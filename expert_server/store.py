@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from services.common.checkpoint import Checkpoint
 from services.common.errors import CheckpointError, ConfigError
-from services.common.expert_weights import pack_layer
+from services.common.expert_weights import pack_layer, packed_bytes
 from services.common.model_config import ModelConfig
 
 STORE_MAGIC = b"TNDSTORE"
@@ -35,6 +35,7 @@ STORE_VERSION = 2
 _PREFIX = struct.Struct("<8sII")
 _PAGE = 4096
 _MAX_HEADER = 1 << 20  # the header's room: the layers start after it
+ERROR_SAMPLES = 8  # experts a layer whose quantization error convert measures
 
 
 @dataclass
@@ -55,13 +56,6 @@ def moe_layers(cfg: ModelConfig, layer_range: tuple[int, int] | None) -> list[in
     if not layers:
         raise ConfigError(f"--layers: {lo}-{hi} holds no MoE layer")
     return layers
-
-
-def packed_bytes(cfg: ModelConfig, fmt: str, group_size: int, layers: list[int]) -> int:
-    import tandem_native
-
-    m = cfg.moe
-    return len(layers) * tandem_native.packed_bytes(fmt, m.num_experts, cfg.hidden_size, m.intermediate_size, group_size)
 
 
 def available_memory() -> int:
@@ -117,11 +111,17 @@ class ConvertReport:
         kinds = ", ".join(f"{k} {v:.2e}" for k, v in self.errors.items()) or "none (every tensor imported as stored)"
         return (f"read {self.read_bytes / gb:.2f} GB in {self.seconds:.1f} s ({self.read_bytes / gb / self.seconds:.2f} GB/s), "
                 f"wrote {self.written_bytes / gb:.2f} GB, peak RSS {self.peak_rss / 2**30:.2f} GiB; relative error of "
-                f"the tensors quantized again: {kinds}")
+                f"the tensors quantized again (on up to {ERROR_SAMPLES} experts a layer): {kinds}")
 
 
 def peak_rss() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    """This process's peak resident memory: VmHWM (getrusage's maxrss would count the parent's, since
+    Linux keeps it across fork and exec)."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+    except (OSError, StopIteration):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def convert(checkpoint: Checkpoint, cfg: ModelConfig, layers: list[int], fmt: str, group: int, pool,
@@ -133,7 +133,7 @@ def convert(checkpoint: Checkpoint, cfg: ModelConfig, layers: list[int], fmt: st
     tmp = out.with_name(out.name + ".tmp")
     with open(tmp, "wb") as f, _bar(checkpoint, cfg, layers, f"converting experts ({fmt})") as bar:
         for layer in layers:  # each layer's own group size and levels may differ (imported ones keep theirs)
-            buf = pack_layer(checkpoint, cfg, layer, fmt, group, pool, bar.update, errors)
+            buf = pack_layer(checkpoint, cfg, layer, fmt, group, pool, bar.update, errors, ERROR_SAMPLES)
             f.seek(max(_MAX_HEADER, -(-f.tell() // _PAGE) * _PAGE))
             buffers[layer] = {"layer": layer, "offset": f.tell() - _MAX_HEADER, "nbytes": len(buf)}
             f.write(buf.data)

@@ -34,13 +34,15 @@ KINDS = ("gate", "up", "down")
 
 
 def pack_layer(checkpoint: Checkpoint, cfg: ModelConfig, layer: int, fmt: str, group_size: int, pool,
-               progress: Callable[[int], None] | None = None, errors: dict | None = None) -> np.ndarray:
+               progress: Callable[[int], None] | None = None, errors: dict | None = None,
+               error_samples: int = 0) -> np.ndarray:
     """The layer's experts packed into one flat tandem_native buffer (uint8), one expert at a time
     (progress gets each expert's stored bytes once it is in).
 
     Tensors whose stored codes are already `fmt`'s (see sources.base.QuantizedWeight) are copied in
     as they are, with the checkpoint's group size and levels; the rest are quantized from floats, and
-    with `errors` given, errors[kind] accumulates [squared error, squared norm] of each kind of those.
+    with `errors` given, errors[kind] accumulates [squared error, squared norm] of each kind of those,
+    over `error_samples` experts spread across the layer (all of them if 0).
     """
     import tandem_native
 
@@ -52,13 +54,14 @@ def pack_layer(checkpoint: Checkpoint, cfg: ModelConfig, layer: int, fmt: str, g
     group = known.group if known else group_size
     levels = list(known.levels) if known and fmt == "int4" else None
     buf = tandem_native.new_layer(fmt, m.num_experts, d, i, group, levels)
+    step = max(1, m.num_experts // error_samples) if error_samples else 1
     for e, expert in enumerate(names):
         codes = [q if q and q.group == group and (levels is None or list(q.levels) == levels) else None
                  for q in _stored_codes(checkpoint, expert, fmt, d, i)]
         if not all(codes):
             w13, w2 = _float_expert(checkpoint, expert, d, i)
             tandem_native.pack_into(buf, e, w13[None], w2[None], pool)
-            if errors is not None:
+            if errors is not None and e % step == 0:
                 _add_errors(errors, buf, e, codes, w13, w2)
         _put(buf, e, codes, i)
         if progress:
@@ -103,6 +106,15 @@ def _float_expert(checkpoint: Checkpoint, expert: tuple[str, str, str], d: int, 
     gate, up, down = expert
     w13 = torch.cat((checkpoint.get(gate, (i, d)), checkpoint.get(up, (i, d)))).float().contiguous()
     return w13.numpy(), checkpoint.get(down, (d, i)).float().contiguous().numpy()
+
+
+def packed_bytes(cfg: ModelConfig, fmt: str, group_size: int = DEFAULT_GROUP_SIZE, layers: list[int] | None = None) -> int:
+    """Bytes of the packed experts of these MoE layers (default: all of them)."""
+    import tandem_native
+
+    m = cfg.moe
+    layers = [i for i in range(cfg.num_layers) if cfg.is_moe(i)] if layers is None else layers
+    return len(layers) * tandem_native.packed_bytes(fmt, m.num_experts, cfg.hidden_size, m.intermediate_size, group_size)
 
 
 def default_threads() -> int:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import math
+import re
 import sys
 import threading
 from concurrent import futures
@@ -13,7 +15,10 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from services.common.checkpoint import Checkpoint
 from services.common.errors import ConfigError
+from services.common.expert_weights import packed_bytes
+from services.common.model_config import parse_model_config
 from services.dense.config import DenseConfig
 from services.dense.engine import Engine
 from services.dense.kv_cache import bytes_per_token
@@ -25,6 +30,7 @@ from tandem.v1 import dense_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 SERVICE = pb.DESCRIPTOR.services_by_name["DenseService"].full_name
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 def make_experts(cfg: DenseConfig):
@@ -48,6 +54,40 @@ def free_memory(device: torch.device) -> int:
             if line.startswith("MemAvailable:"):
                 return int(line.split()[1]) * 1024
     raise ConfigError("cannot read MemAvailable from /proc/meminfo")
+
+
+def _layer(name: str) -> int:
+    m = _LAYER.match(name)
+    return int(m[1]) if m else -1
+
+
+def check_memory(cfg: DenseConfig) -> None:
+    """Prints what loading will take (dense weights on the device, the KV cache when --kv-tokens
+    fixes it, in-process experts in host RAM) and refuses, naming the numbers and what to change,
+    when the device or the host lacks it. MTP layers (past num_hidden_layers) are never loaded."""
+    checkpoint = Checkpoint(cfg.model)
+    model_cfg = parse_model_config(checkpoint.config)
+    device, dtype = cfg.runtime.torch_device, cfg.runtime.torch_dtype
+    size = torch.empty((), dtype=dtype).element_size()
+    loaded = [n for n in checkpoint.names() if _layer(n) < model_cfg.num_layers]
+    routed = [n for n in loaded if model_cfg.is_routed_expert_tensor(n)]
+    weights = sum(math.prod(checkpoint.shape(n)) for n in loaded if n not in set(routed) or cfg.experts == "reference") * size
+    kv = cfg.kv_tokens * bytes_per_token(model_cfg, dtype)
+    experts = packed_bytes(model_cfg, cfg.expert_format) if cfg.experts == "native" else 0
+    gib = 2**30
+    parts = f"{weights / gib:.2f} GiB of weights ({cfg.runtime.dtype})" + (f", {kv / gib:.2f} GiB of KV cache" if kv else "")
+    host = f"{experts / gib:.2f} GiB of {cfg.expert_format} experts in host RAM" if experts else ""
+    print(f"dense service: needs {parts} on {device}" + (f", {host}" if host else ""), file=sys.stderr, flush=True)
+    needs = {device.type: weights + kv}
+    needs["cpu"] = needs.get("cpu", 0) + experts
+    for kind, need in needs.items():
+        free = free_memory(device if kind == device.type else torch.device("cpu"))
+        if need > free:
+            raise ConfigError(
+                f"dense service: needs {need / gib:.2f} GiB on {kind} ({parts}{', ' + host if host and kind == 'cpu' else ''}) "
+                f"but only {free / gib:.2f} GiB is free; use --dtype bfloat16, fewer --kv-tokens, a smaller --format, "
+                "or --experts remote"
+            )
 
 
 def kv_blocks(cfg: DenseConfig, model) -> int:
@@ -91,6 +131,7 @@ class RunningDense:
 def start(cfg: DenseConfig, experts=None) -> RunningDense:
     """Loads, sizes the KV cache, starts the engine and serves; `experts` overrides the backend the
     config names (tests use it to slow calls down)."""
+    check_memory(cfg)
     model, experts = load_model(cfg.model, cfg.runtime, experts or make_experts(cfg))
     engine = Engine(model, cfg.engine(kv_blocks(cfg, model)))
     tokens = engine.pool.num_blocks * engine.pool.block_size

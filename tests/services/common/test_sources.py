@@ -164,3 +164,18 @@ def test_int4_asymmetric_schemes_are_refused(copy_of):
     _edit_config(path, lambda q: q["config_groups"]["group_0"]["weights"].update(symmetric=False))
     with pytest.raises(ConfigError, match="group 'group_0' .*symmetric=False.* is not supported"):
         Checkpoint(path)
+
+
+def test_mtp_layers_are_skipped(copy_of):
+    """DeepSeek's multi-token-prediction layer (index num_hidden_layers) is never read."""
+    path = copy_of("fp8")
+    mtp = "model.layers.3.self_attn.o_proj.weight"
+    _edit_tensors(path, lambda t: t.update({mtp: torch.full((8, 8), float("nan"))}))
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
+    ids = Tokenizer(path).encode(PROMPT)
+    ckpt = Checkpoint(path)
+    model, _ = load_fp32(path)
+    ours = model.forward(torch.tensor(ids), model.new_cache(len(ids)))
+    assert (ours - hf_logits(dequantized("fp8"), ids)).abs().max().item() <= TOL
+    assert mtp in ckpt

@@ -230,3 +230,15 @@ def test_full_kv_cache_queues_then_refuses_with_resource_exhausted(slow_service)
     assert next(queued).token_ids  # the queued request runs once the hog is gone
     queued.cancel()
     assert wait_for(lambda: running.engine.blocks_in_use == 0)
+
+
+def test_start_prints_the_memory_it_needs_and_refuses_what_the_machine_lacks(capsys):
+    from services.common.errors import ConfigError
+
+    cfg = DenseConfig(model=PATH, runtime=DenseRuntime("float32", "cpu"), experts="native", expert_format="int8",
+                      threads=1, listen="127.0.0.1:0", kv_tokens=10**9)
+    with pytest.raises(ConfigError, match=r"needs [\d.]+ GiB on cpu \(.* GiB of weights \(float32\), [\d.]+ GiB of KV "
+                                          r"cache, .* GiB of int8 experts in host RAM\) but only [\d.]+ GiB is free; "
+                                          r"use --dtype bfloat16, fewer --kv-tokens"):
+        start(cfg)
+    assert "dense service: needs" in capsys.readouterr().err

@@ -37,7 +37,7 @@ SHAPES = {
 }
 
 # Bytes per weight, group-32 scales included; only used to choose how many experts a case holds.
-BYTES_PER_WEIGHT = {"fp32": 4.0, "bf16": 2.0, "int8": 34 / 32, "int4": 18 / 32}
+BYTES_PER_WEIGHT = {"fp32": 4.0, "bf16": 2.0, "int8": 34 / 32, "int4": 18 / 32, "int4_asym": 20 / 32}
 # One case's expert weights stay under this, so a source copy plus a converted copy (and kt-kernel's
 # own repacked copy) keep the process well under 14 GB.
 WEIGHT_BUDGET = 3 * 2**30

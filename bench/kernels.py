@@ -38,7 +38,7 @@ REPO = BENCH.parent
 KT_PYTHON = BENCH / ".venv-kt" / "bin" / "python"
 KT_FORMATS = ("BF16", "Q8_0", "Q4_0", "RAWINT4")
 KT_TIMEOUT_S = 900
-OUR_FORMATS = ("bf16", "int8", "int4")
+OUR_FORMATS = ("bf16", "int8", "int4", "int4_asym")
 GROUP_SIZE = 32
 IMPLS = ("torch", "tandem", "kt")
 

@@ -65,8 +65,9 @@ def _permute(w: torch.Tensor, heads: int) -> torch.Tensor:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _gguf_tensors(name: str, hf: dict[str, torch.Tensor], cfg: dict) -> dict[str, torch.Tensor]:
-    """The Hugging Face tensors under llama.cpp's names and layouts."""
+def _gguf_tensors(name: str, hf: dict[str, torch.Tensor], cfg: dict, fused: bool = False) -> dict[str, torch.Tensor]:
+    """The Hugging Face tensors under llama.cpp's names and layouts (fused: gate and up experts as
+    one ffn_gate_up_exps [E, 2I, D], as newer converters write them)."""
     out = {"token_embd.weight": hf["model.embed_tokens.weight"], "output_norm.weight": hf["model.norm.weight"]}
     if "lm_head.weight" in hf:
         out["output.weight"] = hf["lm_head.weight"]
@@ -94,6 +95,9 @@ def _gguf_tensors(name: str, hf: dict[str, torch.Tensor], cfg: dict) -> dict[str
             out[f"blk.{layer}.{_LAYER[rest]}.{suffix}"] = w
     for (layer, kind), per_expert in experts.items():
         out[f"blk.{layer}.ffn_{kind}_exps.weight"] = torch.stack([per_expert[e] for e in sorted(per_expert)])
+    for layer in {layer for layer, _ in experts} if fused else ():
+        gate, up = out.pop(f"blk.{layer}.ffn_gate_exps.weight"), out.pop(f"blk.{layer}.ffn_up_exps.weight")
+        out[f"blk.{layer}.ffn_gate_up_exps.weight"] = torch.cat((gate, up), dim=1)
     return out
 
 
@@ -159,13 +163,14 @@ def _tokenizer(w, base: Path) -> None:
     w.add_string("tokenizer.chat_template", tok_cfg["chat_template"])
 
 
-def _write_gguf(name: str, qtype: str, out: Path) -> None:
+def _write_gguf(name: str, qtype: str, out: Path, variant: str = "") -> None:
+    """variant "fused": ffn_gate_up_exps; "split": files of 8 tensors each (-0000k-of-0000n.gguf)."""
     import gguf
 
     base = checkpoint(name)
     cfg = json.loads((base / "config.json").read_text())
-    tensors = _gguf_tensors(name, load_file(base / "model.safetensors"), cfg)
-    w = gguf.GGUFWriter(out / f"{name}-{qtype}.gguf", ARCH[name])
+    tensors = _gguf_tensors(name, load_file(base / "model.safetensors"), cfg, fused=variant == "fused")
+    w = gguf.GGUFWriter(out / f"{name}-{qtype}{variant}.gguf", ARCH[name], split_max_tensors=8 if variant == "split" else 0)
     _metadata(w, name, cfg)
     _tokenizer(w, base)
     for key, t in tensors.items():
@@ -199,10 +204,15 @@ def _digest(name: str, qtype: str) -> str:
     return hashlib.sha256(json.dumps([name, qtype, Path(__file__).read_text(), str(checkpoint(name))]).encode()).hexdigest()[:12]
 
 
-def gguf_model(name: str, qtype: str) -> Path:
-    """The GGUF file of the tiny checkpoint `name` with its weights in qtype."""
-    file = f"{name}-{qtype}.gguf"
-    return cached(f"gguf-{name}-{qtype}", _digest(name, qtype), lambda out: _write_gguf(name, qtype, out), file) / file
+def gguf_model(name: str, qtype: str, variant: str = "") -> Path:
+    """The GGUF file of the tiny checkpoint `name` with its weights in qtype (the first file of a
+    split variant)."""
+    def build(out: Path) -> None:
+        _write_gguf(name, qtype, out, variant)
+        (out / "complete").touch()
+
+    d = cached(f"gguf-{name}-{qtype}{variant}", _digest(name, qtype), build, "complete")
+    return next(p for p in sorted(d.glob("*.gguf")) if "-of-" not in p.name or "-00001-of-" in p.name)
 
 
 def gguf_reference(name: str, qtype: str) -> Path:

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from services.common.errors import CheckpointError, ConfigError
-from services.common.sources import QuantizedWeight, TensorSource, open_safetensors
+from services.common.sources import QuantizedWeight, TensorSource, open_source
 
 GGUF_ROOT = Path(__file__).resolve().parents[2] / ".cache" / "gguf"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja",
@@ -46,8 +46,7 @@ class Checkpoint:
         if not self.dir.is_dir():
             raise CheckpointError(f"missing checkpoint directory: {self.dir}")
         self.config = read_config(self.dir)
-        gguf = gguf_in(self.dir)
-        self.source: TensorSource = _gguf_source(gguf, self.config, self.dir) if gguf else open_safetensors(self.dir, self.config)
+        self.source: TensorSource = open_source(self.dir, self.config)
         self._names = set(self.source.names())
         self.loaded: list[str] = []  # names read so far, in order: lets tests see what was touched
 
@@ -88,27 +87,6 @@ class Checkpoint:
         h = hashlib.sha256((self.dir / "config.json").read_bytes())
         self.source.fingerprint(h)
         return h.hexdigest()
-
-
-def gguf_in(model_dir: Path) -> Path | None:
-    """The GGUF model a directory holds instead of safetensors (its first file when split), if any."""
-    if any(model_dir.glob("*.safetensors")):
-        return None
-    files = sorted(model_dir.glob("*.gguf"))
-    firsts = [f for f in files if "-of-" not in f.name or "-00001-of-" in f.name]
-    if len(firsts) > 1:
-        raise CheckpointError(f"{model_dir} holds several GGUF models ({', '.join(f.name for f in firsts)}); pick one with --gguf")
-    return firsts[0] if firsts else None
-
-
-def _gguf_source(path: Path, config: dict, model_dir: Path) -> TensorSource:
-    from services.common.sources.gguf import GgufSource
-    from services.common.sources.gguf_file import GgufFile
-    from services.common.sources.gguf_meta import check_agrees
-
-    g = GgufFile(path.resolve())
-    check_agrees(g, config, model_dir / "config.json")
-    return GgufSource(g, config)
 
 
 def resolve_model(model: Path | None, gguf: Path | None = None) -> Path:

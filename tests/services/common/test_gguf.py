@@ -40,6 +40,26 @@ def test_a_gguf_alone_matches_transformers_on_its_dequantized_tensors(name, qtyp
     assert (ours - hf_logits(gguf_reference(name, qtype), ids)).abs().max().item() <= 1e-4
 
 
+@pytest.mark.parametrize("variant", ["fused", "split"])
+def test_fused_gate_up_experts_and_split_files_read_the_same_tensors(variant):
+    path = gguf_model("qwen3_moe", "Q8_0", variant)
+    if variant == "split":
+        assert "-00001-of-" in path.name and len(list(path.parent.glob("*.gguf"))) > 2
+    ckpt, ref = Checkpoint(resolve_model(path)), load_file(gguf_reference("qwen3_moe", "Q8_0") / "model.safetensors")
+    assert set(ckpt.names()) == set(ref)
+    for key, want in ref.items():
+        assert torch.equal(ckpt.get(key, tuple(want.shape)).float(), want), key
+
+
+def test_a_split_gguf_with_a_file_missing(tmp_path):
+    src = gguf_model("qwen3_moe", "Q8_0", "split")
+    shards = sorted(src.parent.glob("*.gguf"))
+    for f in shards[:-1]:
+        (tmp_path / f.name).write_bytes(f.read_bytes())
+    with pytest.raises(CheckpointError, match=f"split GGUF is missing {shards[-1].name}"):
+        resolve_model(tmp_path / src.name)
+
+
 def test_a_gguf_next_to_a_hugging_face_directory_greedy_decodes_as_transformers():
     path = resolve_model(checkpoint("deepseek_v3"), gguf_model("deepseek_v3", "Q8_0"))
     assert Checkpoint(path).source.kind == "gguf"

@@ -95,17 +95,25 @@ def _edit_config(path, edit):
     (path / "config.json").write_text(json.dumps(config))
 
 
-def test_fp8_missing_scale_names_the_tensor(copy_of):
-    path = copy_of("fp8")
-    _edit_tensors(path, lambda t: t.pop(EXPERT + ".weight_scale_inv"))
-    with pytest.raises(CheckpointError, match=f"FP8 tensor '{EXPERT}.weight' .* no scale tensor '{EXPERT}.weight_scale_inv'"):
-        Checkpoint(path).get(EXPERT + ".weight")
+BAD_TENSORS = [
+    ("fp8", lambda t: t.pop(EXPERT + ".weight_scale_inv"),
+     f"FP8 tensor '{EXPERT}.weight' .* no scale tensor '{EXPERT}.weight_scale_inv'"),
+    ("fp8", lambda t: t.update({EXPERT + ".weight_scale_inv": torch.ones(2, 2)}),
+     rf"scale tensor '{EXPERT}.weight_scale_inv' .* shape \[2, 2\], expected \[1, 2\]"),
+    ("int4", lambda t: t.update({EXPERT + ".weight_scale": torch.ones(64, 5, dtype=torch.bfloat16)}),
+     rf"scale tensor '{EXPERT}.weight_scale' .* \[64, 5\]"),
+    ("int4", lambda t: t.pop(EXPERT + ".weight_scale"), f"has no '{EXPERT}.weight_scale'"),
+    ("int4", lambda t: t.update({EXPERT + ".weight_shape": torch.tensor([64, 200])}),
+     rf"'{EXPERT}.weight_shape' says \[64, 200\]"),
+]
 
 
-def test_fp8_scale_of_the_wrong_shape_names_the_tensor(copy_of):
-    path = copy_of("fp8")
-    _edit_tensors(path, lambda t: t.update({EXPERT + ".weight_scale_inv": torch.ones(2, 2)}))
-    with pytest.raises(CheckpointError, match=rf"scale tensor '{EXPERT}.weight_scale_inv' .* shape \[2, 2\], expected \[1, 2\]"):
+@pytest.mark.parametrize("kind, edit, message", BAD_TENSORS,
+                         ids=["fp8-no-scale", "fp8-scale-shape", "int4-scale-shape", "int4-no-scale", "int4-weight-shape"])
+def test_a_bad_scale_or_shape_tensor_names_the_tensor(copy_of, kind, edit, message):
+    path = copy_of(kind)
+    _edit_tensors(path, edit)
+    with pytest.raises(CheckpointError, match=message):
         Checkpoint(path).get(EXPERT + ".weight")
 
 
@@ -136,27 +144,6 @@ def test_fp8_tensors_without_a_quantization_config_are_refused(copy_of):
     (path / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match="unsupported dtype F8_E4M3 .*quantization_config"):
         load_fp32(path)
-
-
-def test_int4_scale_of_the_wrong_shape_names_the_tensor(copy_of):
-    path = copy_of("int4")
-    _edit_tensors(path, lambda t: t.update({EXPERT + ".weight_scale": torch.ones(64, 5, dtype=torch.bfloat16)}))
-    with pytest.raises(CheckpointError, match=rf"scale tensor '{EXPERT}.weight_scale' .* \[64, 5\]"):
-        Checkpoint(path).get(EXPERT + ".weight")
-
-
-def test_int4_missing_scale_names_the_tensor(copy_of):
-    path = copy_of("int4")
-    _edit_tensors(path, lambda t: t.pop(EXPERT + ".weight_scale"))
-    with pytest.raises(CheckpointError, match=f"has no '{EXPERT}.weight_scale'"):
-        Checkpoint(path).get(EXPERT + ".weight")
-
-
-def test_int4_weight_shape_that_disagrees_with_the_packed_tensor(copy_of):
-    path = copy_of("int4")
-    _edit_tensors(path, lambda t: t.update({EXPERT + ".weight_shape": torch.tensor([64, 200])}))
-    with pytest.raises(CheckpointError, match=rf"'{EXPERT}.weight_shape' says \[64, 200\]"):
-        Checkpoint(path).get(EXPERT + ".weight")
 
 
 def test_int4_asymmetric_schemes_are_refused(copy_of):

@@ -251,3 +251,25 @@ def qwen3_reference(gguf_path: Path, out: Path, base: str = "qwen3_moe_k") -> Pa
     for f in ("config.json", "tokenizer.json", "tokenizer_config.json"):
         (out / f).write_bytes((checkpoint(base) / f).read_bytes())
     return out
+
+
+def converted_reference(name: str, gguf_path: Path, out: Path) -> Path:
+    """The tiny checkpoint `name` as llama.cpp's converter stored it (make_fixtures.py): each tensor
+    rounded to fp16 where the GGUF holds it in F16 (elementwise, so its layout does not matter)."""
+    import gguf
+
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(gguf_path).tensors}
+    base = checkpoint(name)
+    cfg = json.loads((base / "config.json").read_text())
+    ref = {}
+    for key, w in load_file(base / "model.safetensors").items():
+        mapped = _gguf_tensors(name, {key: w, "model.embed_tokens.weight": w, "model.norm.weight": w}, cfg)
+        own = [k for k in mapped if k not in ("token_embd.weight", "output_norm.weight")] or (
+            ["token_embd.weight"] if key == "model.embed_tokens.weight" else ["output_norm.weight"])
+        kinds = {types[k] for k in own}
+        assert len(kinds) == 1 and kinds <= {"F16", "F32"}, (key, own, kinds)
+        ref[key] = w.half().float() if kinds == {"F16"} else w.float()
+    save_file(ref, str(out / "model.safetensors"), metadata={"format": "pt"})
+    for f in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        (out / f).write_bytes((base / f).read_bytes())
+    return out

@@ -125,8 +125,14 @@ class GgufFile:
 
 
 def _value(field):
+    """A metadata value as Python; float32 ones as the shortest decimal that is that float32 (1e-06,
+    not 9.99999997e-07: the value the converter was given)."""
+    import gguf
+
     try:
         value = field.contents()
     except (ValueError, IndexError, UnicodeDecodeError):
         return None
+    if field.types and field.types[0] == gguf.GGUFValueType.FLOAT32:
+        return float(str(np.float32(value)))
     return value.item() if isinstance(value, np.generic) else value

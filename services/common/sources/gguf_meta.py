@@ -75,18 +75,22 @@ def _rope_scaling(g: GgufFile) -> dict | None:
         return None
     return {"type": "yarn", "factor": _need(g, "rope.scaling.factor"),
             "original_max_position_embeddings": _need(g, "rope.scaling.original_context_length"),
-            "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0,
-            "mscale_all_dim": g.key("rope.scaling.yarn_log_multiplier", 0.0) / 0.1}
+            "beta_fast": g.key("rope.scaling.yarn_beta_fast", 32.0), "beta_slow": g.key("rope.scaling.yarn_beta_slow", 1.0),
+            "mscale": 1.0, "mscale_all_dim": round(g.key("rope.scaling.yarn_log_multiplier", 0.0) / 0.1, 6)}
 
 
 def _deepseek(g: GgufFile) -> dict:
-    v3 = g.key("expert_gating_func") == _GATING_SIGMOID
+    # Sigmoid gating is DeepSeek-V3's; a GGUF without the key (converted from a config without
+    # scoring_func) still has V3's router when it carries the correction biases.
+    gating = g.key("expert_gating_func")
+    v3 = gating == _GATING_SIGMOID or (gating is None and any(n.endswith("exp_probs_b.bias") for n in g.tensors))
     rope = _need(g, "rope.dimension_count")
     key = g.key("attention.key_length_mla") or _need(g, "attention.key_length")
     n_group = g.key("expert_group_count") or 1
     method = "noaux_tc" if v3 else ("group_limited_greedy" if n_group > 1 else "greedy")
     return {
         "model_type": "deepseek_v3" if v3 else "deepseek_v2", **_common(g),
+        "num_key_value_heads": _need(g, "attention.head_count"),  # llama.cpp writes 1 (MLA as MQA)
         "architectures": ["DeepseekV3ForCausalLM" if v3 else "DeepseekV2ForCausalLM"],
         "q_lora_rank": g.key("attention.q_lora_rank") or None, "kv_lora_rank": _need(g, "attention.kv_lora_rank"),
         "qk_rope_head_dim": rope, "qk_nope_head_dim": key - rope,

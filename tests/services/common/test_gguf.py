@@ -19,7 +19,7 @@ from services.dense.tokenizer import Tokenizer
 from tests.checkpoints import checkpoint
 from tests.conftest import PROMPT, load_fp32
 from tests.expert_server.servers import ROOT
-from tests.gguf_files import gguf_model, gguf_reference, qwen3_reference
+from tests.gguf_files import converted_reference, gguf_model, gguf_reference, qwen3_reference
 from tests.reference.hf_oracle import hf_greedy, hf_logits
 
 FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3", "deepseek_v2")
@@ -153,7 +153,21 @@ def test_a_gguf_flag_that_is_not_a_gguf_file(tmp_path):
 
 # ---------------------------------------------------------------- llama.cpp's own K-quant and IQ files
 
-FIXTURES = sorted((ROOT / "tests" / "fixtures" / "gguf").glob("*.gguf"))
+FIXTURES = sorted((ROOT / "tests" / "fixtures" / "gguf").glob("qwen3_moe_k-*.gguf"))
+CONVERTED = sorted((ROOT / "tests" / "fixtures" / "gguf").glob("*-converted-F16.gguf"))
+
+
+@pytest.mark.parametrize("path", CONVERTED, ids=lambda p: p.stem.split("-")[0])
+def test_files_from_llama_cpps_own_converter_match_transformers(path, tmp_path):
+    """Its layouts as it writes them: DeepSeek's kv_b split, llama's q/k permutation, merged experts,
+    llama.cpp's metadata (MLA's key_length_mla, head_count_kv 1, yarn_log_multiplier)."""
+    family = path.stem.split("-")[0]
+    model_dir = resolve_model(path)
+    ids = Tokenizer(checkpoint(family)).encode(PROMPT)
+    assert Tokenizer(model_dir).encode(PROMPT) == ids
+    model, _ = load_fp32(model_dir)
+    ours = model.forward(torch.tensor(ids), model.new_cache(len(ids)))
+    assert (ours - hf_logits(converted_reference(family, path, tmp_path), ids)).abs().max().item() <= 1e-4
 
 
 @pytest.fixture(scope="module")

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Iterable
 from pathlib import Path
 
 import torch
 
 from services.common.errors import CheckpointError, ConfigError
-from services.common.sources import QuantizedWeight, TensorSource, open_source
+from services.common.sources import QuantizedWeight, TensorSource, gguf_in, open_source
 
 GGUF_ROOT = Path(__file__).resolve().parents[2] / ".cache" / "gguf"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja",
@@ -91,12 +92,15 @@ class Checkpoint:
 
 def resolve_model(model: Path | None, gguf: Path | None = None) -> Path:
     """The checkpoint directory for `--model X [--gguf FILE]`: X itself when it is a directory and no
-    GGUF is named; otherwise a directory of links under .cache/gguf: to the GGUF (its split files
-    stay beside it), and to X's config.json and tokenizer files, or, for a GGUF alone, config.json
-    and tokenizer files made from its metadata."""
+    GGUF is named; otherwise a directory of links, .cache/gguf/<digest>/<the GGUF's name>: to the
+    GGUF (its split files stay beside it), and to X's config.json and tokenizer files, or, for a
+    GGUF alone, config.json and tokenizer files made from its metadata."""
     if gguf is None and model.is_dir():
-        return model
-    if gguf is None:
+        alone = not (model / "config.json").is_file() and gguf_in(model)
+        if not alone:
+            return model
+        model, gguf = None, alone  # a directory holding only a GGUF (a volume mounted in a container)
+    elif gguf is None:
         model, gguf = None, model
     if gguf.suffix != ".gguf" or not gguf.is_file():
         raise ConfigError(f"{gguf} is not a .gguf file (nor a checkpoint directory)")
@@ -104,7 +108,7 @@ def resolve_model(model: Path | None, gguf: Path | None = None) -> Path:
         raise ConfigError(f"--model: {model} has no config.json (a Hugging Face directory is needed next to --gguf)")
     gguf = gguf.resolve()
     key = hashlib.sha256(f"{gguf}:{gguf.stat().st_size}:{gguf.stat().st_mtime_ns}:{model and model.resolve()}".encode())
-    out = GGUF_ROOT / f"{gguf.stem}-{key.hexdigest()[:12]}"
+    out = GGUF_ROOT / key.hexdigest()[:12] / re.sub(r"-\d{5}-of-\d{5}$", "", gguf.stem)  # served under the stem
     if not (out / "config.json").exists():
         _companion(gguf, model, out)
     return out
@@ -119,8 +123,8 @@ def _companion(gguf: Path, model: Path | None, out: Path) -> None:
     from services.common.sources.gguf_meta import hf_config
     from services.common.sources.gguf_tokenizer import write_tokenizer
 
-    GGUF_ROOT.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".building-", dir=GGUF_ROOT))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".building-", dir=out.parent))
     try:
         (tmp / gguf.name).symlink_to(gguf)
         if model is not None:

@@ -16,7 +16,7 @@ from services.common.sources.safetensors import SafetensorsFiles
 
 QUANT_METHODS = ("fp8", "compressed-tensors")
 
-__all__ = ["QuantizedWeight", "TensorSource", "open_source"]
+__all__ = ["QuantizedWeight", "TensorSource", "gguf_in", "open_source"]
 
 
 def open_source(model_dir: Path, config: dict) -> TensorSource:

@@ -146,6 +146,15 @@ def test_metadata_that_disagrees_with_the_given_config(tmp_path):
         Checkpoint(resolve_model(hf, gguf_model("qwen3_moe", "Q8_0")))
 
 
+def test_a_directory_holding_only_a_gguf_is_a_gguf_alone(tmp_path):
+    src = gguf_model("qwen3_moe", "Q8_0")
+    (tmp_path / src.name).symlink_to(src)
+    path = resolve_model(tmp_path)
+    assert path != tmp_path and Checkpoint(path).source.kind == "gguf"
+    assert path.name == "qwen3_moe-Q8_0"  # the name it is served under
+    assert resolve_model(gguf_model("qwen3_moe", "Q8_0", "split")).name == "qwen3_moe-Q8_0split"
+
+
 def test_a_gguf_flag_that_is_not_a_gguf_file(tmp_path):
     with pytest.raises(ConfigError, match="is not a .gguf file"):
         resolve_model(checkpoint("qwen3_moe"), tmp_path / "nothing.gguf")

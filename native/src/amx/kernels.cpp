@@ -1,13 +1,13 @@
-// AMX kernels: the prefill matrix products on the tile unit. int8, int4 and int4_asym weights use
-// tdpbssd (int8 x int8 -> int32), one 32-column block per product, scaled into fp32 accumulators
-// after each (int4_asym then adds each block's minimum times the tokens' block sums); bf16 weights
-// use tdpbf16ps against the hi and lo bf16 parts of x (as avx512_bf16 splits them), accumulating
-// in the tile. Under kAmxMinTokens tokens, and for everything besides the matrix products, the
-// shared SIMD kernels run, compiled here as in the avx512_bf16 variant.
+// AMX kernels: the prefill matrix products on the tile unit. int8 and int4 weights use tdpbssd
+// (int8 x int8 -> int32), one 32-column block per product, scaled into fp32 accumulators after
+// each; bf16 weights use tdpbf16ps against the hi and lo bf16 parts of x (as avx512_bf16 splits
+// them), accumulating in the tile. Under kAmxMinTokens tokens, for int4_asym weights, and for
+// everything besides the matrix products, the shared SIMD kernels run, compiled here as in the
+// avx512_bf16 variant (int4_asym on the tiles, its minimums added per block after each product,
+// took 165 ms against the SIMD kernel's 93 for a 512-token Qwen3-30B layer on a 2-core Xeon).
 // int8 weights are B operands as packed (format.h: a 32-column block of a 16-row tile is the 16
-// rows' 4-byte column groups interleaved); 4-bit tiles are expanded to that (int4 to its levels,
-// int4_asym to its codes 0-15 as they are), and bf16 16-row slabs repacked to it, block by block,
-// into a per-thread buffer.
+// rows' 4-byte column groups interleaved); int4 tiles are expanded to that, and bf16 16-row slabs
+// repacked to it, block by block, into a per-thread buffer.
 // M tokens per tile (16), N weight rows per tile (16).
 #include <cstring>
 
@@ -70,62 +70,43 @@ void repack_slab(const uint8_t* const* group, int blocks, uint32_t* dst) {
 
 // ---------------------------------------------------------------- int8 and int4
 
-// Tokens i0 .. i0 + count - 1 as contiguous rows q [padded][C], s [padded][C / 32] and (int4_asym)
-// sums [padded][C / 32]; zero rows after.
-void gather_int8(const Activations& x, int i0, int count, int padded, int8_t* q, float* s, int32_t* sums) {
+// Tokens i0 .. i0 + count - 1 as contiguous rows q [padded][C], s [padded][C / 32]; zero rows after.
+void gather_int8(const Activations& x, int i0, int count, int padded, int8_t* q, float* s) {
     const int blocks = x.cols / kBlock;
-    for (int m = 0; m < padded; ++m, q += x.cols, s += blocks, sums += x.sums ? blocks : 0) {
+    for (int m = 0; m < padded; ++m, q += x.cols, s += blocks) {
         if (m >= count) {
             std::fill(q, q + x.cols, int8_t(0));
             std::fill(s, s + blocks, 0.f);
-            if (x.sums) std::fill(sums, sums + blocks, 0);
             continue;
         }
-        const int64_t row = x.row(i0 + m);
-        std::copy(x.q + row * x.cols, x.q + (row + 1) * x.cols, q);
-        std::copy(x.s + row * blocks, x.s + (row + 1) * blocks, s);
-        if (x.sums) std::copy(x.sums + row * blocks, x.sums + (row + 1) * blocks, sums);
+        std::copy(x.q + x.row(i0 + m) * x.cols, x.q + (x.row(i0 + m) + 1) * x.cols, q);
+        std::copy(x.s + x.row(i0 + m) * blocks, x.s + (x.row(i0 + m) + 1) * blocks, s);
     }
 }
 
-// ws[g][n] = the fp16 value of group g in row r + n, from the scales (or int4_asym's minimums) at
-// `first` (stored in that order, format.h).
-void slab_groups(const Matrix& w, const uint16_t* first, float* ws) {
-    for (int i = 0; i < w.cols / w.group * kTileN; ++i) ws[i] = _cvtsh_ss(first[i]);
+// ws[g][n] = the scale of group g in row r + n (stored in that order, format.h).
+void slab_scales(const Matrix& w, int r, float* ws) {
+    const uint16_t* half = int_scale_at(w, r, 0);
+    for (int i = 0; i < w.cols / w.group * kTileN; ++i) ws[i] = _cvtsh_ss(half[i]);
 }
 
-// One slab's weight side of a product: its B operands, scales and (int4_asym) minimums.
-struct Slab {
-    const uint32_t* words;
-    const float* scales;
-    const float* mins;  // null unless int4_asym
-    int per_group;
-};
-
-// y[m * ldy + n] = dot(slab row n, token m) for m < count, from 16 gathered tokens (q, s, sums) and
-// the slab: per block, one tile product, then its int32 sums scaled into fp32 (int4_asym: plus the
-// minimum times the token's block sum).
-void int8_product(const Slab& slab, const int8_t* q, const float* s, const int32_t* sums, int cols, int count,
-                  float* y, int ldy) {
+// y[m * ldy + n] = dot(slab row n, token m) for m < count, from 16 gathered tokens (q, s), the
+// repacked slab and its scales: per block, one tile product, then its int32 sums scaled into fp32.
+void int8_product(const uint32_t* slab, const float* ws, int per_group, const int8_t* q, const float* s, int cols,
+                  int count, float* y, int ldy) {
     const int blocks = cols / kBlock;
     float acc[kTileM][kTileN] = {};
     alignas(64) int32_t dot[kTileM][kTileN];
     for (int b = 0; b < blocks; ++b) {
         _tile_zero(0);
         _tile_loadd(1, q + b * kBlock, cols);
-        _tile_loadd(2, slab.words + int64_t(b) * kBTileWords, kTileN * 4);
+        _tile_loadd(2, slab + int64_t(b) * kBTileWords, kTileN * 4);
         _tile_dpbssd(0, 1, 2);
         _tile_stored(0, dot, kTileN * 4);
-        const float* wsb = slab.scales + (b / slab.per_group) * kTileN;
+        const float* wsb = ws + (b / per_group) * kTileN;
         for (int m = 0; m < kTileM; ++m) {
             const float xs = s[int64_t(m) * blocks + b];
             for (int n = 0; n < kTileN; ++n) acc[m][n] += float(dot[m][n]) * (wsb[n] * xs);
-        }
-        if (!slab.mins) continue;
-        const float* wmb = slab.mins + (b / slab.per_group) * kTileN;
-        for (int m = 0; m < kTileM; ++m) {
-            const float xsum = s[int64_t(m) * blocks + b] * float(sums[int64_t(m) * blocks + b]);
-            for (int n = 0; n < kTileN; ++n) acc[m][n] += wmb[n] * xsum;
         }
     }
     for (int m = 0; m < count; ++m) std::copy(acc[m], acc[m] + kTileN, y + int64_t(m) * ldy);
@@ -133,48 +114,39 @@ void int8_product(const Slab& slab, const int8_t* q, const float* s, const int32
 
 void matmul_int_simd(const Matrix& w, int r0, int r1, const Activations& x, int n, float* y, int ldy) {
     if (w.format == Format::INT4) matmul_int4(w, r0, r1, x, n, y, ldy);
-    else if (w.format == Format::INT4_ASYM) matmul_int4_asym(w, r0, r1, x, n, y, ldy);
     else matmul_int8(w, r0, r1, x, n, y, ldy);
 }
 
-// int8, int4 or int4_asym weights (4-bit tiles expanded to int8 first: int4 to its levels, int4_asym
-// to its codes, which are non-negative int8 as they are); calls with few tokens go to the SIMD
+// int8 or int4 weights (int4 tiles expanded to int8 first); calls with few tokens go to the SIMD
 // kernels. r0 and r1 are multiples of the 16-row tile (format.h), which is a slab.
 void matmul_int_tiles(const Matrix& w, int r0, int r1, const Activations& x, int n, float* y, int ldy) {
     static_assert(kIntTileRows == kTileN, "an int tile is one B operand slab");
     if (n < kAmxMinTokens) return matmul_int_simd(w, r0, r1, x, n, y, ldy);
-    const bool four = four_bit(w.format);
+    const bool int4 = w.format == Format::INT4;
     const int cols = w.cols, blocks = cols / kBlock;
     thread_local std::vector<int8_t> q;
-    thread_local std::vector<float> s, ws, wm;
-    thread_local std::vector<int32_t> sums;
+    thread_local std::vector<float> s, ws;
     thread_local std::vector<uint32_t> expanded;
     q.resize(size_t(kTokenChunk) * cols);
     s.resize(size_t(kTokenChunk) * blocks);
-    sums.resize(x.sums ? size_t(kTokenChunk) * blocks : 0);
     ws.resize(size_t(kTileN) * (cols / w.group));
-    wm.resize(w.mins ? ws.size() : 0);
-    expanded.resize(four ? size_t(blocks) * kBTileWords : 0);
+    expanded.resize(int4 ? size_t(blocks) * kBTileWords : 0);
     TileScope tiles(kInt8Tiles);
     for (int i0 = 0; i0 < n; i0 += kTokenChunk) {
         const int count = std::min(kTokenChunk, n - i0);
-        gather_int8(x, i0, count, round_up(count, kTileM), q.data(), s.data(), sums.data());
+        gather_int8(x, i0, count, round_up(count, kTileM), q.data(), s.data());
         for (int r = r0; r < r1; r += kTileN) {
-            Slab slab{reinterpret_cast<const uint32_t*>(int_block_at(w, r, 0)), ws.data(), nullptr, w.group / kBlock};
-            if (four) {
+            const uint32_t* slab = reinterpret_cast<const uint32_t*>(int_block_at(w, r, 0));
+            if (int4) {
                 for (int b = 0; b < blocks; ++b)
                     expand_int4_block(w, r, b, reinterpret_cast<uint8_t*>(expanded.data() + size_t(b) * kBTileWords));
-                slab.words = expanded.data();
+                slab = expanded.data();
             }
-            slab_groups(w, int_scale_at(w, r, 0), ws.data());
-            if (w.mins) {
-                slab_groups(w, int_min_at(w, r, 0), wm.data());
-                slab.mins = wm.data();
-            }
+            slab_scales(w, r, ws.data());
             operands_ready();
             for (int m0 = 0; m0 < count; m0 += kTileM)
-                int8_product(slab, q.data() + size_t(m0) * cols, s.data() + size_t(m0) * blocks,
-                             sums.data() + (x.sums ? size_t(m0) * blocks : 0), cols, std::min(kTileM, count - m0),
+                int8_product(slab, ws.data(), w.group / kBlock, q.data() + size_t(m0) * cols,
+                             s.data() + size_t(m0) * blocks, cols, std::min(kTileM, count - m0),
                              y + int64_t(i0 + m0) * ldy + (r - r0), ldy);
         }
     }
@@ -252,7 +224,6 @@ const KernelTable& amx_kernels() {
         t.matmul[int(Format::BF16)] = matmul_bf16_tiles;
         t.matmul[int(Format::INT8)] = matmul_int_tiles;
         t.matmul[int(Format::INT4)] = matmul_int_tiles;
-        t.matmul[int(Format::INT4_ASYM)] = matmul_int_tiles;
         return t;
     }();
     return table;

@@ -173,11 +173,8 @@ constexpr int kInt4Tokens = 2;  // tokens sharing a tile's unpacking (more spill
 
 inline __m256i broadcast4(const void* p) { return _mm256_set1_epi32(*static_cast<const int32_t*>(p)); }
 
-// The layer's 16 int4 levels as signed bytes, in both lanes (int4_asym: the codes 0-15 themselves);
-// xor 0x80 gives them offset by 128 (unsigned).
+// The layer's 16 int4 levels as signed bytes, in both lanes; xor 0x80 gives them offset by 128 (unsigned).
 inline __m256i int4_levels(const Matrix& w) {
-    if (!w.levels) return _mm256_setr_epi8(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7, 8,
-                                           9, 10, 11, 12, 13, 14, 15);
     return _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.levels)));
 }
 
@@ -387,8 +384,8 @@ void matmul_int4_asym(const Matrix& w, int r0, int r1, const Activations& x, int
     }
 }
 
-// Block b of the int4 (or int4_asym) tile at row r -> the same block as int8, format.h's int8 layout
-// (AMX's B operand): each step's low nibbles become one int8 step, its high nibbles the next.
+// Block b of the int4 tile at row r -> the same block as int8, format.h's int8 layout (AMX's B
+// operand): each step's low nibbles become one int8 step, its high nibbles the next.
 [[maybe_unused]] void expand_int4_block(const Matrix& w, int r, int b, uint8_t* dst) {
     const uint8_t* p = int_block_at(w, r, b);
     const __m256i table = int4_levels(w);

@@ -46,3 +46,16 @@ def test_tandem_serve_answers_like_the_in_process_reference_and_stops_cleanly():
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+def test_tandem_serve_serves_a_gguf_alone_under_its_file_name():
+    from services.common.checkpoint import resolve_model
+    from tests.gguf_files import gguf_model
+
+    path = gguf_model("deepseek_v3", "Q4_1")
+    with serve("--model", str(path), "--format", "int4_asym", "--dtype", "float32", "--threads", "2") as run:
+        client = openai.OpenAI(base_url=run.url, api_key="none", max_retries=0)
+        assert client.models.list().data[0].id == path.stem
+        reply = client.chat.completions.create(model=path.stem, messages=MESSAGES, max_tokens=12, temperature=0)
+        assert reply.choices[0].message.content == reference_text(resolve_model(path), "int4_asym", 12)
+    assert run.code == 0, "".join(run.lines[-30:])

@@ -21,6 +21,7 @@ from tests.random_model import corpus, write_tokenizer
 CACHE_ROOT = Path(__file__).resolve().parent.parent / ".cache" / "tiny-models"
 SEED = 1234
 VOCAB = 512
+BUILD = 3  # bump when _build changes what it writes
 
 _COMMON = dict(
     vocab_size=VOCAB,
@@ -97,6 +98,18 @@ RECIPES: dict[str, tuple[str, dict]] = {
         **_COMMON, "num_key_value_heads": 2, "num_local_experts": 8, "num_experts_per_tok": 2,
         "sliding_window": None, "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
     }),
+    "glm4_moe": ("glm4_moe", {
+        **_COMMON, "num_key_value_heads": 2, "head_dim": 16, "attention_bias": True, "use_qk_norm": True,
+        "n_routed_experts": 16, "num_experts_per_tok": 4, "moe_intermediate_size": 64, "n_shared_experts": 1,
+        "first_k_dense_replace": 1, "n_group": 4, "topk_group": 2, "norm_topk_prob": True,
+        "routed_scaling_factor": 2.5, "num_mtp_layers": 0,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+    }),
+    "minimax_m2": ("minimax_m2", {
+        **_COMMON, "num_key_value_heads": 2, "head_dim": 16, "num_local_experts": 8, "num_experts_per_tok": 2,
+        "intermediate_size": 64,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0, "partial_rotary_factor": 0.5},
+    }),
 }
 
 FAMILY_CHECKPOINTS = list(RECIPES)
@@ -123,7 +136,7 @@ EXTRA_RECIPES: dict[str, tuple[str, dict]] = {
 def _digest(name: str) -> str:
     import transformers
 
-    blob = json.dumps([_recipe(name), SEED, VOCAB, transformers.__version__, _corpus()], sort_keys=True)
+    blob = json.dumps([_recipe(name), SEED, VOCAB, BUILD, transformers.__version__, _corpus()], sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
@@ -162,6 +175,7 @@ def _build(name: str, out: Path) -> None:
     torch.manual_seed(SEED)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _perturb_router_bias(model)
+    _perturb_parameters(model)
     model.save_pretrained(out)
     _write_tokenizer(out)
 
@@ -172,6 +186,15 @@ def _perturb_router_bias(model: torch.nn.Module) -> None:
     for key, buf in model.named_buffers():
         if key.endswith("e_score_correction_bias"):
             buf.copy_(torch.rand(buf.shape, generator=gen) * 0.2)
+
+
+def _perturb_parameters(model: torch.nn.Module) -> None:
+    """Linear biases start at zero, which would hide a bias read from the wrong place: draw them."""
+    gen = torch.Generator().manual_seed(SEED + 2)
+    with torch.no_grad():
+        for key, param in model.named_parameters():
+            if key.endswith(".bias"):
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.1)
 
 
 def _corpus() -> list[str]:

@@ -41,7 +41,7 @@ class AttentionConfig:
     softmax_scale: float
     qkv_bias: bool = False
     o_bias: bool = False
-    qk_norm: bool = False
+    qk_norm: str = ""  # "head": RMSNorm over each head (Qwen3, GLM); "all": over the whole projection (MiniMax-M2)
     sliding_window: int | None = None
     q_lora_rank: int | None = None
     kv_lora_rank: int = 0
@@ -70,7 +70,7 @@ class MoeConfig:
     shared_intermediate_size: int = 0  # 0: no shared expert
     shared_name: str = ""
     shared_gated: bool = False  # qwen2_moe: shared output scaled by sigmoid(shared_expert_gate(x))
-    has_correction_bias: bool = False
+    correction_bias: str = ""  # the router's score correction bias, inside the block; "": none
 
     @property
     def num_experts(self) -> int:
@@ -250,7 +250,7 @@ def _deepseek(r: _Reader, family: str) -> ModelConfig:
     moe = MoeConfig(
         router=_router(r, method, num_experts, norm), intermediate_size=moe_inter, prefix="mlp",
         expert_names=("gate_proj", "up_proj", "down_proj"), shared_intermediate_size=moe_inter * n_shared,
-        shared_name="shared_experts", has_correction_bias=family == "deepseek_v3",
+        shared_name="shared_experts", correction_bias="gate.e_score_correction_bias" if family == "deepseek_v3" else "",
     )
     first_dense = r.get("first_k_dense_replace", int, 0)
     freq = r.get("moe_layer_freq", int, 1) or 1
@@ -259,7 +259,7 @@ def _deepseek(r: _Reader, family: str) -> ModelConfig:
     return ModelConfig(**_common(r, family), attention=attention, rope=rope, moe=moe, moe_layers=moe_layers)
 
 
-def _gqa(r: _Reader, qkv_bias: bool, o_bias: bool, qk_norm: bool, sliding_window: int | None) -> AttentionConfig:
+def _gqa(r: _Reader, qkv_bias: bool, o_bias: bool, qk_norm: str, sliding_window: int | None) -> AttentionConfig:
     heads = r.positive("num_attention_heads")
     kv_heads = r.get("num_key_value_heads", int) or heads
     if heads % kv_heads:
@@ -275,7 +275,7 @@ def _qwen_moe(r: _Reader, family: str) -> ModelConfig:
     qwen3 = family == "qwen3_moe"
     window = r.get("sliding_window", int) if r.raw.get("use_sliding_window") else None
     bias = bool(r.raw.get("attention_bias", False)) if qwen3 else bool(r.raw.get("qkv_bias", True))
-    attention = _gqa(r, qkv_bias=bias, o_bias=qwen3 and bias, qk_norm=qwen3, sliding_window=window)
+    attention = _gqa(r, qkv_bias=bias, o_bias=qwen3 and bias, qk_norm="head" if qwen3 else "", sliding_window=window)
     num_experts = r.first(("num_experts", "num_local_experts", "n_routed_experts"))
     shared = 0 if qwen3 else r.get("shared_expert_intermediate_size", int, 0)
     moe = MoeConfig(
@@ -293,7 +293,7 @@ def _qwen_moe(r: _Reader, family: str) -> ModelConfig:
 
 
 def _mixtral(r: _Reader, family: str) -> ModelConfig:
-    attention = _gqa(r, qkv_bias=False, o_bias=False, qk_norm=False, sliding_window=r.get("sliding_window", int))
+    attention = _gqa(r, qkv_bias=False, o_bias=False, qk_norm="", sliding_window=r.get("sliding_window", int))
     num_experts = r.first(("num_local_experts", "num_experts", "n_routed_experts"))
     moe = MoeConfig(
         router=_router(r, "softmax_topk", num_experts, True), intermediate_size=r.positive("intermediate_size"),
@@ -304,6 +304,54 @@ def _mixtral(r: _Reader, family: str) -> ModelConfig:
     return ModelConfig(**_common(r, family), attention=attention, rope=rope, moe=moe, moe_layers=(True,) * layers)
 
 
+def _rotary_dim(r: _Reader, head_dim: int, default_factor: float) -> int:
+    """Rotated dims per head: partial_rotary_factor (in rope_parameters or at the top level), or the
+    legacy rotary_dim of MiniMax-M2's releases."""
+    params = r.raw.get("rope_parameters") or {}
+    factor = params.get("partial_rotary_factor", r.raw.get("partial_rotary_factor"))
+    if factor is None and r.raw.get("rotary_dim"):
+        return r.positive("rotary_dim")
+    dim = int(head_dim * (default_factor if factor is None else factor))
+    if not 0 < dim <= head_dim or dim % 2:
+        raise ConfigError(f"config.json: partial rotary of {dim} dims does not fit heads of {head_dim}")
+    return dim
+
+
+def _glm4_moe(r: _Reader, family: str) -> ModelConfig:
+    attention = _gqa(r, qkv_bias=bool(r.raw.get("attention_bias", False)), o_bias=False,
+                     qk_norm="head" if r.raw.get("use_qk_norm") else "", sliding_window=None)
+    rope = _rope(r, _rotary_dim(r, attention.head_dim, 0.5), interleaved=False)
+    num_experts = r.first(("n_routed_experts", "num_experts", "num_local_experts"))
+    moe_inter = r.positive("moe_intermediate_size")
+    moe = MoeConfig(
+        router=_router(r, "noaux_tc", num_experts, bool(r.raw.get("norm_topk_prob", True))),
+        intermediate_size=moe_inter, prefix="mlp", expert_names=("gate_proj", "up_proj", "down_proj"),
+        shared_intermediate_size=moe_inter * r.get("n_shared_experts", int, 0), shared_name="shared_experts",
+        correction_bias="gate.e_score_correction_bias",
+    )
+    first_dense = r.get("first_k_dense_replace", int, 0)
+    layers = r.positive("num_hidden_layers")
+    moe_layers = tuple(i >= first_dense for i in range(layers))
+    return ModelConfig(**_common(r, family), attention=attention, rope=rope, moe=moe, moe_layers=moe_layers)
+
+
+def _minimax_m2(r: _Reader, family: str) -> ModelConfig:
+    """Sigmoid routing whose correction bias only selects; the chosen unbiased scores are always
+    renormalised and never scaled (transformers' MiniMaxM2TopKRouter)."""
+    attention = _gqa(r, qkv_bias=False, o_bias=False, qk_norm="all", sliding_window=None)
+    rope = _rope(r, _rotary_dim(r, attention.head_dim, 1.0), interleaved=False)
+    num_experts = r.first(("num_local_experts", "num_experts", "n_routed_experts"))
+    top_k = r.positive("num_experts_per_tok")
+    if top_k > num_experts:
+        raise ConfigError(f"config.json: num_experts_per_tok ({top_k}) exceeds the expert count ({num_experts})")
+    moe = MoeConfig(
+        router=RouterConfig("noaux_tc", num_experts, top_k, norm_topk_prob=True), intermediate_size=r.positive("intermediate_size"),
+        prefix="block_sparse_moe", expert_names=("w1", "w3", "w2"), correction_bias="e_score_correction_bias",
+    )
+    layers = r.positive("num_hidden_layers")
+    return ModelConfig(**_common(r, family), attention=attention, rope=rope, moe=moe, moe_layers=(True,) * layers)
+
+
 PARSERS: dict[str, Callable[[_Reader, str], ModelConfig]] = {
     "deepseek_v3": _deepseek,
     "kimi_k2": _deepseek,
@@ -311,6 +359,8 @@ PARSERS: dict[str, Callable[[_Reader, str], ModelConfig]] = {
     "qwen3_moe": _qwen_moe,
     "qwen2_moe": _qwen_moe,
     "mixtral": _mixtral,
+    "glm4_moe": _glm4_moe,
+    "minimax_m2": _minimax_m2,
 }
 
 

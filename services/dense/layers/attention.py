@@ -36,21 +36,28 @@ class GQAttention:
         self.v_proj = w.linear(f"{prefix}.v_proj", a.num_kv_heads * a.head_dim, d, a.qkv_bias)
         self.o_proj = w.linear(f"{prefix}.o_proj", d, a.num_heads * a.head_dim, a.o_bias)
         if a.qk_norm:
-            self.q_norm = w.norm(f"{prefix}.q_norm", a.head_dim)
-            self.k_norm = w.norm(f"{prefix}.k_norm", a.head_dim)
+            whole = a.qk_norm == "all"  # over the whole projection, else over each head
+            self.q_norm = w.norm(f"{prefix}.q_norm", a.num_heads * a.head_dim if whole else a.head_dim)
+            self.k_norm = w.norm(f"{prefix}.k_norm", a.num_kv_heads * a.head_dim if whole else a.head_dim)
+
+    def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, D] -> q [T, H, Dh], k and v [T, Hkv, Dh], q and k normed as the family does."""
+        a, t = self.a, x.shape[0]
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if a.qk_norm == "all":
+            q, k = rms_norm(q, self.q_norm, self.eps), rms_norm(k, self.k_norm, self.eps)
+        q, k = q.view(t, a.num_heads, a.head_dim), k.view(t, a.num_kv_heads, a.head_dim)
+        if a.qk_norm == "head":
+            q, k = rms_norm(q, self.q_norm, self.eps), rms_norm(k, self.k_norm, self.eps)
+        return q, k, v.view(t, a.num_kv_heads, a.head_dim)
 
     def __call__(self, x: torch.Tensor, cos_sin, segments: list[Segment]) -> torch.Tensor:
-        a, t = self.a, x.shape[0]
-        q = self.q_proj(x).view(t, a.num_heads, a.head_dim)
-        k = self.k_proj(x).view(t, a.num_kv_heads, a.head_dim)
-        v = self.v_proj(x).view(t, a.num_kv_heads, a.head_dim)
-        if a.qk_norm:
-            q, k = rms_norm(q, self.q_norm, self.eps), rms_norm(k, self.k_norm, self.eps)
+        q, k, v = self._qkv(x)
         q, k = self.rotary.apply(q, *cos_sin), self.rotary.apply(k, *cos_sin)
         out = []
         for seg in segments:
             k_all, v_all = seg.kv.update(k[seg.rows], v[seg.rows])
-            out.append(_attend(q[seg.rows], k_all, v_all, seg.mask, a.softmax_scale))
+            out.append(_attend(q[seg.rows], k_all, v_all, seg.mask, self.a.softmax_scale))
         return self.o_proj(torch.cat(out))
 
 

@@ -59,7 +59,11 @@ class Rotary:
         return (freqs.cos() * self.scale).to(dtype), (freqs.sin() * self.scale).to(dtype)
 
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x [T, H, R] -> rotated [T, H, R]; interleaved pairs come out as (evens, odds) halves."""
+        """x [T, H, R] -> rotated [T, H, R]; interleaved pairs come out as (evens, odds) halves. With
+        partial rotary (x wider than R), the first R dims of each head turn and the rest pass."""
+        dim = 2 * cos.shape[-1]
+        if x.shape[-1] > dim:
+            return torch.cat((self.apply(x[..., :dim], cos, sin), x[..., dim:]), dim=-1)
         if self.interleaved:
             x1, x2 = x[..., 0::2], x[..., 1::2]
         else:

@@ -21,8 +21,8 @@ class MoeBlock:
         self.layer, self.router, self.experts = layer, moe.router, experts
         self.gate = w.tensor(f"{prefix}.gate.weight", (moe.num_experts, d), torch.float32)  # [E, D]
         self.bias = None
-        if moe.has_correction_bias:
-            self.bias = w.tensor(f"{prefix}.gate.e_score_correction_bias", (moe.num_experts,), torch.float32)
+        if moe.correction_bias:
+            self.bias = w.tensor(f"{prefix}.{moe.correction_bias}", (moe.num_experts,), torch.float32)
         self.shared = None
         if moe.shared_intermediate_size:
             shared_prefix = f"{prefix}.{moe.shared_name}"

@@ -19,10 +19,16 @@ def _config(name):
 
 
 def _old_dialect(raw: dict) -> dict:
-    """What a real DeepSeek-V3 / Qwen / Mixtral release carries instead of transformers 5.x keys."""
+    """What a real DeepSeek-V3 / Qwen / Mixtral / GLM / MiniMax release carries instead of
+    transformers 5.x keys (GLM-4.5: a top-level partial_rotary_factor; MiniMax-M2: rotary_dim)."""
     old = dict(raw)
     rope = dict(old.pop("rope_parameters"))
     old["rope_theta"] = rope.pop("rope_theta")
+    partial = rope.pop("partial_rotary_factor", None)
+    if partial is not None and old["model_type"] == "minimax_m2":
+        old["rotary_dim"] = int(partial * old["head_dim"])
+    elif partial is not None:
+        old["partial_rotary_factor"] = partial
     if rope.get("rope_type", "default") != "default":
         rope["type"] = rope.pop("rope_type")
         old["rope_scaling"] = rope

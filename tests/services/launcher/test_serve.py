@@ -48,6 +48,18 @@ def test_tandem_serve_answers_like_the_in_process_reference_and_stops_cleanly():
             os.kill(pid, 0)
 
 
+@pytest.mark.parametrize("family", ["glm4_moe", "minimax_m2"])
+def test_tandem_serve_serves_the_newer_families_with_their_chat_template(family):
+    from tests.checkpoints import checkpoint
+
+    path = checkpoint(family)
+    with serve("--model", str(path), "--format", "bf16", "--dtype", "float32", "--threads", "2") as run:
+        client = openai.OpenAI(base_url=run.url, api_key="none", max_retries=0)
+        reply = client.chat.completions.create(model=path.name, messages=MESSAGES, max_tokens=12, temperature=0)
+        assert reply.choices[0].message.content == reference_text(path, "bf16", 12)
+    assert run.code == 0, "".join(run.lines[-30:])
+
+
 def test_tandem_serve_serves_a_gguf_alone_under_its_file_name():
     from services.common.checkpoint import resolve_model
     from tests.gguf_files import gguf_model

@@ -45,7 +45,16 @@ def remote_tokens(path, addresses, transport, prompt_ids, grpc_client="auto"):
 
 def test_two_server_processes_splitting_the_layers_match_native_over_both_transports(family_checkpoint, prompt_ids):
     name, path = family_checkpoint
-    fmt = FORMAT_OF[name]
+    check_split_servers(path, FORMAT_OF[name], prompt_ids)
+
+
+@pytest.mark.parametrize("name", ["glm4_moe", "minimax_m2"])
+def test_the_newer_families_in_bf16_through_split_servers(name):
+    path = checkpoint(name)
+    check_split_servers(path, "bf16", prompt_of(path))
+
+
+def check_split_servers(path, fmt, prompt_ids):
     expected = native_tokens(path, fmt, prompt_ids)
     _, cfg = open_checkpoint(path)
     low, high = split_ranges(cfg)

@@ -21,7 +21,7 @@ from tests.random_model import corpus, write_tokenizer
 CACHE_ROOT = Path(__file__).resolve().parent.parent / ".cache" / "tiny-models"
 SEED = 1234
 VOCAB = 512
-BUILD = 3  # bump when _build changes what it writes
+BUILD = 4  # bump when _build changes what it writes
 
 _COMMON = dict(
     vocab_size=VOCAB,
@@ -110,6 +110,14 @@ RECIPES: dict[str, tuple[str, dict]] = {
         "intermediate_size": 64,
         "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0, "partial_rotary_factor": 0.5},
     }),
+    # swiglu_limit 0.1 clamps a good share of this model's gates and ups; windows of 8 < any prompt
+    "gpt_oss": ("gpt_oss", {
+        **_COMMON, "num_key_value_heads": 2, "head_dim": 16, "num_local_experts": 8, "num_experts_per_tok": 2,
+        "intermediate_size": 64, "sliding_window": 8, "swiglu_limit": 0.1,
+        "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+        "rope_parameters": {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0,
+                            "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64},
+    }),
 }
 
 FAMILY_CHECKPOINTS = list(RECIPES)
@@ -189,12 +197,15 @@ def _perturb_router_bias(model: torch.nn.Module) -> None:
 
 
 def _perturb_parameters(model: torch.nn.Module) -> None:
-    """Linear biases start at zero, which would hide a bias read from the wrong place: draw them."""
+    """Linear biases start at zero and gpt-oss's sinks near it, which would hide one read from the
+    wrong place: draw them."""
     gen = torch.Generator().manual_seed(SEED + 2)
     with torch.no_grad():
         for key, param in model.named_parameters():
-            if key.endswith(".bias"):
+            if key.endswith("bias"):  # .bias, and gpt-oss's experts' gate_up_proj_bias, down_proj_bias
                 param.copy_(torch.randn(param.shape, generator=gen) * 0.1)
+            elif key.endswith(".sinks"):
+                param.copy_(torch.randn(param.shape, generator=gen))
 
 
 def _corpus() -> list[str]:

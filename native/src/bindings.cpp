@@ -4,6 +4,7 @@
 #include <pybind11/stl.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <memory>
 #include <stdexcept>
@@ -57,8 +58,19 @@ void check_dims(Format f, const std::string& fmt, int D, int I, int group) {
                                     std::to_string(D) + ") and intermediate (" + std::to_string(I) + ")");
 }
 
-py::array_t<uint8_t> new_layer(const std::string& fmt, int E, int D, int I, int group, py::object levels) {
+ExpertShape parse_shape(const std::string& activation, float alpha, float limit, bool biases) {
+    ExpertShape shape{Activation::SILU, alpha, limit, biases};
+    if (activation == "swiglu_oai") shape.activation = Activation::SWIGLU_OAI;
+    else if (activation != "silu") throw std::invalid_argument("activation: 'silu' or 'swiglu_oai', got '" + activation + "'");
+    if (!std::isfinite(alpha) || !std::isfinite(limit) || limit < 0.f)
+        throw std::invalid_argument("alpha, limit: must be finite, limit >= 0");
+    return shape;
+}
+
+py::array_t<uint8_t> new_layer(const std::string& fmt, int E, int D, int I, int group, py::object levels,
+                               const std::string& activation, float alpha, float limit, bool biases) {
     const Format f = parse_format(fmt);
+    const ExpertShape shape = parse_shape(activation, alpha, limit, biases);
     if (E < 1) throw std::invalid_argument("experts: must be >= 1, got " + std::to_string(E));
     check_dims(f, fmt, D, I, group);
     std::vector<int8_t> table(kInt4Levels, kInt4Levels + 16);
@@ -70,10 +82,11 @@ py::array_t<uint8_t> new_layer(const std::string& fmt, int E, int D, int I, int 
             if (table[q] >= table[q + 1]) throw std::invalid_argument("levels: must be strictly increasing");
     }
     const int g = f == Format::BF16 ? 0 : group;
-    py::array_t<uint8_t> out(py::ssize_t(layer_bytes(f, E, D, I, g)));
-    init_layer(f, E, D, I, g, table.data(), out.mutable_data());
+    py::array_t<uint8_t> out(py::ssize_t(layer_bytes(f, E, D, I, g, biases)));
+    init_layer(f, E, D, I, g, table.data(), shape, out.mutable_data());
     return out;
 }
+
 
 // A layer buffer being filled: its header valid (its scales not checked yet).
 MoeLayerView filling_view(const py::array& buffer) {
@@ -123,6 +136,15 @@ void put_codes_into(py::array buffer, int e, const std::string& matrix, int row0
     if (!mins_obj.is_none()) check_array<uint16_t>(mins, "mins", "uint16 (fp16 bits)", {rows, m.cols / m.group});
     put_codes(v, e, matrix == "w2", row0, rows, c, static_cast<const uint16_t*>(scales.data()),
               mins_obj.is_none() ? nullptr : static_cast<const uint16_t*>(mins.data()));
+}
+
+void put_biases_into(py::array buffer, int e, py::array b13, py::array b2) {
+    const MoeLayerView v = filling(buffer);
+    if (!v.biases) throw std::invalid_argument("buffer: the layer has no biases (new_layer(..., biases=True))");
+    if (e < 0 || e >= v.experts) throw std::invalid_argument("expert: " + std::to_string(e) + " out of range");
+    check_array<float>(b13, "b13", "float32", {2 * v.intermediate});
+    check_array<float>(b2, "b2", "float32", {v.hidden});
+    put_biases(v, e, static_cast<const float*>(b13.data()), static_cast<const float*>(b2.data()));
 }
 
 py::array_t<uint8_t> py_pack_experts(py::array w13, py::array w2, const std::string& fmt, int group, ThreadPool& pool) {
@@ -215,18 +237,27 @@ PYBIND11_MODULE(tandem_native, m) {
         .def_property_readonly("hidden", [](const PyLayer& l) { return l.view.hidden; })
         .def_property_readonly("intermediate", [](const PyLayer& l) { return l.view.intermediate; })
         .def_property_readonly("group_size", [](const PyLayer& l) { return l.view.group; })
+        .def_property_readonly("activation", [](const PyLayer& l) {
+            return std::string(l.view.activation == Activation::SILU ? "silu" : "swiglu_oai");
+        })
+        .def_property_readonly("biased", [](const PyLayer& l) { return l.view.biases != nullptr; })
         .def_property_readonly("levels", [](const PyLayer& l) {
             return l.view.levels ? std::vector<int>(l.view.levels, l.view.levels + 16) : std::vector<int>();
         })
         .def_property_readonly("nbytes", [](const PyLayer& l) {
-            return layer_bytes(l.view.format, l.view.experts, l.view.hidden, l.view.intermediate, l.view.group);
+            return layer_bytes(l.view.format, l.view.experts, l.view.hidden, l.view.intermediate, l.view.group,
+                               l.view.biases != nullptr);
         });
 
     py::class_<PyJob>(m, "MoeJob").def("wait", &PyJob::wait).def("done", [](PyJob& j) { return j.job->done(); });
 
     m.def("new_layer", &new_layer, py::arg("fmt"), py::arg("experts"), py::arg("hidden"), py::arg("intermediate"),
-          py::arg("group_size") = 32, py::arg("levels") = py::none(),
-          "An empty packed layer buffer (uint8) to fill with pack_into / put_codes; levels: int4's 16 int8 levels");
+          py::arg("group_size") = 32, py::arg("levels") = py::none(), py::arg("activation") = "silu",
+          py::arg("alpha") = 0.f, py::arg("limit") = 0.f, py::arg("biases") = false,
+          "An empty packed layer buffer (uint8) to fill with pack_into / put_codes (and put_biases); levels: "
+          "int4's 16 int8 levels; activation 'silu' or 'swiglu_oai' (gpt-oss, with alpha and limit)");
+    m.def("put_biases", &put_biases_into, py::arg("buffer"), py::arg("expert"), py::arg("b13"), py::arg("b2"),
+          "Store expert e's float32 biases: b13 [2I] (gate, then up), b2 [D]");
     m.def("pack_into", &pack_into, py::arg("buffer"), py::arg("first_expert"), py::arg("w13"), py::arg("w2"),
           py::arg("pool"), "Quantize float32 w13 [n, 2I, D] and w2 [n, D, I] into experts first_expert .. + n - 1");
     m.def("put_codes", &put_codes_into, py::arg("buffer"), py::arg("expert"), py::arg("matrix"), py::arg("row0"),
@@ -251,11 +282,12 @@ PYBIND11_MODULE(tandem_native, m) {
           py::arg("pool"), "float32 w13 [E, 2I, D] and w2 [E, D, I] -> a packed layer buffer (uint8)");
     m.def(
         "packed_bytes",
-        [](const std::string& fmt, int experts, int hidden, int intermediate, int group) {
+        [](const std::string& fmt, int experts, int hidden, int intermediate, int group, bool biases) {
             const Format f = parse_format(fmt);
-            return layer_bytes(f, experts, hidden, intermediate, f == Format::BF16 ? 0 : group);
+            return layer_bytes(f, experts, hidden, intermediate, f == Format::BF16 ? 0 : group, biases);
         },
         py::arg("fmt"), py::arg("experts"), py::arg("hidden"), py::arg("intermediate"), py::arg("group_size") = 32,
+        py::arg("biases") = false,
         "Bytes of one packed layer buffer");
     m.def("moe_submit", &submit, py::arg("layer"), py::arg("x"), py::arg("ids"), py::arg("weights"), py::arg("out"),
           py::arg("pool"), py::arg("isa") = "", "Start a fused MoE layer call; returns a MoeJob");

@@ -32,8 +32,13 @@ size_t expert_bytes(Format f, int hidden, int intermediate, int group) {
     return matrix_bytes(f, 2 * intermediate, hidden, group) + matrix_bytes(f, hidden, intermediate, group);
 }
 
-size_t layer_bytes(Format f, int experts, int hidden, int intermediate, int group) {
-    return sizeof(Header) + size_t(experts) * expert_bytes(f, hidden, intermediate, group);
+size_t bias_bytes(int experts, int hidden, int intermediate) {
+    return align64(size_t(experts) * (2 * size_t(intermediate) + size_t(hidden)) * sizeof(float));
+}
+
+size_t layer_bytes(Format f, int experts, int hidden, int intermediate, int group, bool biased) {
+    return sizeof(Header) + size_t(experts) * expert_bytes(f, hidden, intermediate, group) +
+           (biased ? bias_bytes(experts, hidden, intermediate) : 0);
 }
 
 Matrix matrix_at(const uint8_t* base, Format f, int rows, int cols, int group, const int8_t* levels) {

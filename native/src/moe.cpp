@@ -59,6 +59,9 @@ MoeLayerView MoeLayerView::parse(const uint8_t* data, size_t size, bool scales) 
         throw std::invalid_argument("buffer: inconsistent header (" + dims(h) + ")");
     if (h.format == uint32_t(Format::INT4) && !increasing(h.levels))
         throw std::invalid_argument("buffer: the int4 levels are not strictly increasing");
+    if (h.activation > uint32_t(Activation::SWIGLU_OAI) || h.biased > 1 || !std::isfinite(h.alpha) ||
+        !std::isfinite(h.limit) || h.limit < 0.f)
+        throw std::invalid_argument("buffer: unknown activation or bias flag in the header");
     MoeLayerView v;
     v.base = data;
     v.format = Format(h.format);
@@ -67,7 +70,11 @@ MoeLayerView MoeLayerView::parse(const uint8_t* data, size_t size, bool scales) 
     v.hidden = int(h.hidden);
     v.intermediate = int(h.intermediate);
     v.group = quantized ? int(h.group_size) : 0;
-    const size_t need = layer_bytes(v.format, v.experts, v.hidden, v.intermediate, v.group);
+    v.activation = Activation(h.activation);
+    v.alpha = h.alpha;
+    v.limit = h.limit;
+    const size_t need = layer_bytes(v.format, v.experts, v.hidden, v.intermediate, v.group, h.biased);
+    if (h.biased) v.biases = reinterpret_cast<const float*>(data + need - bias_bytes(v.experts, v.hidden, v.intermediate));
     if (h.total_bytes != need || size < need)
         throw std::invalid_argument("buffer: " + std::to_string(size) + " bytes, the header (" + dims(h) + ") needs " +
                                     std::to_string(need));
@@ -217,7 +224,8 @@ bool pack_row(const GroupQuantizer& quant, const float* w, const Matrix& m, int 
 
 }  // namespace
 
-void init_layer(Format f, int experts, int hidden, int intermediate, int group, const int8_t* levels, uint8_t* dst) {
+void init_layer(Format f, int experts, int hidden, int intermediate, int group, const int8_t* levels,
+                const ExpertShape& shape, uint8_t* dst) {
     Header h{};
     std::memcpy(h.magic, kMagic, sizeof kMagic);
     h.version = kLayoutVersion;
@@ -226,8 +234,12 @@ void init_layer(Format f, int experts, int hidden, int intermediate, int group, 
     h.num_experts = uint32_t(experts);
     h.hidden = uint32_t(hidden);
     h.intermediate = uint32_t(intermediate);
-    h.total_bytes = layer_bytes(f, experts, hidden, intermediate, f == Format::BF16 ? 0 : group);
+    h.total_bytes = layer_bytes(f, experts, hidden, intermediate, f == Format::BF16 ? 0 : group, shape.biased);
     if (f == Format::INT4) std::memcpy(h.levels, levels ? levels : kInt4Levels, sizeof h.levels);
+    h.activation = uint32_t(shape.activation);
+    h.biased = shape.biased ? 1 : 0;
+    h.alpha = shape.alpha;
+    h.limit = shape.limit;
     std::memset(dst, 0, h.total_bytes);
     std::memcpy(dst, &h, sizeof h);
 }
@@ -269,6 +281,11 @@ void put_codes(const MoeLayerView& v, int e, bool w2, int row0, int rows, const 
     }
 }
 
+void put_biases(const MoeLayerView& v, int e, const float* b13, const float* b2) {
+    std::copy(b13, b13 + 2 * v.intermediate, const_cast<float*>(v.b13(e)));
+    std::copy(b2, b2 + v.hidden, const_cast<float*>(v.b2(e)));
+}
+
 void dequantize(const Matrix& m, float* out) {
     for (int r = 0; r < m.rows; ++r, out += m.cols)
         for (int c = 0; c < m.cols; ++c) {
@@ -287,7 +304,7 @@ void dequantize(const Matrix& m, float* out) {
 
 void pack_layer(ThreadPool& pool, const float* w13, const float* w2, Format f, int experts, int hidden,
                 int intermediate, int group, uint8_t* dst) {
-    init_layer(f, experts, hidden, intermediate, group, nullptr, dst);
+    init_layer(f, experts, hidden, intermediate, group, nullptr, ExpertShape{}, dst);
     const MoeLayerView v = MoeLayerView::parse(dst, layer_bytes(f, experts, hidden, intermediate, f == Format::BF16 ? 0 : group), false);
     pack_experts(pool, v, 0, experts, w13, w2);
 }
@@ -420,9 +437,14 @@ void down_by_experts(ThreadPool& pool, const KernelTable& k, const MoeCall& c, c
         k.matmul[int(L.format)](L.w2(p.experts[a]), r0, r1, h.view(nullptr, I, p.start[a]), p.start[a + 1] - p.start[a],
                                 y.data() + size_t(p.start[a]) * D + r0, D);
     });
-    for (int e = 0; e < rows; ++e) {
-        float* o = c.out + size_t(p.tokens[e]) * D;
-        for (int j = 0; j < D; ++j) o[j] += p.weights[e] * y[size_t(e) * D + j];
+    for (int a = 0; a < A; ++a) {
+        const float* b2 = L.b2(p.experts[a]);
+        for (int e = p.start[a]; e < p.start[a + 1]; ++e) {
+            float* o = c.out + size_t(p.tokens[e]) * D;
+            const float* ye = y.data() + size_t(e) * D;
+            if (b2) for (int j = 0; j < D; ++j) o[j] += p.weights[e] * (ye[j] + b2[j]);
+            else for (int j = 0; j < D; ++j) o[j] += p.weights[e] * ye[j];
+        }
     }
 }
 
@@ -453,10 +475,13 @@ void down_by_columns(ThreadPool& pool, const KernelTable& k, const MoeCall& c, c
             const int n = p.start[a + 1] - p.start[a];
             y.resize(size_t(n) * width);
             k.matmul[int(L.format)](L.w2(p.experts[a]), r0, r1, h.view(nullptr, I, p.start[a]), n, y.data(), width);
+            const float* b2 = L.b2(p.experts[a]);
             for (int i = 0; i < n; ++i) {
                 float* o = c.out + size_t(p.tokens[p.start[a] + i]) * D + r0;
                 const float w = p.weights[p.start[a] + i];
-                for (int j = 0; j < width; ++j) o[j] += w * y[size_t(i) * width + j];
+                const float* yi = y.data() + size_t(i) * width;
+                if (b2) for (int j = 0; j < width; ++j) o[j] += w * (yi[j] + b2[r0 + j]);
+                else for (int j = 0; j < width; ++j) o[j] += w * yi[j];
             }
         }
     });
@@ -485,9 +510,16 @@ void moe_forward(ThreadPool& pool, const KernelTable& k, const MoeCall& c) {
                     hu.data() + size_t(p.start[a]) * 2 * I + r0, 2 * I);
     });
 
-    // Phase 2: h = silu(gate) * up, [rows, I], ready for the down projections.
+    // Phase 2: h = act(gate, up) ([rows, I], the gate/up biases added first), ready for the down projections.
     const Prepared h = prepare(pool, k, L.format, rows, I, [&](int r, float* row) {
-        k.silu_mul(hu.data() + size_t(r) * 2 * I, I, row);
+        float* gate_up = hu.data() + size_t(r) * 2 * I;
+        if (L.biases) {
+            const int a = int(std::upper_bound(p.start.begin(), p.start.end(), r) - p.start.begin()) - 1;
+            const float* b13 = L.b13(p.experts[a]);
+            for (int j = 0; j < 2 * I; ++j) gate_up[j] += b13[j];
+        }
+        if (L.activation == Activation::SILU) k.silu_mul(gate_up, I, row);
+        else k.swiglu_oai(gate_up, I, L.alpha, L.limit, row);
     });
 
     // Phase 3: down projections and the weighted sum over each token's experts.

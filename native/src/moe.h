@@ -13,7 +13,10 @@ namespace tandem {
 struct MoeLayerView {
     const uint8_t* base = nullptr;
     const int8_t* levels = nullptr;  // int4: the header's 16 levels
+    const float* biases = nullptr;   // biased layers: b13 [E][2I], then b2 [E][D]
     Format format = Format::BF16;
+    Activation activation = Activation::SILU;
+    float alpha = 0.f, limit = 0.f;
     int experts = 0, hidden = 0, intermediate = 0, group = 0;
 
     // Throws std::invalid_argument; check_scales = false skips the walk over every scale (a buffer
@@ -21,6 +24,17 @@ struct MoeLayerView {
     static MoeLayerView parse(const uint8_t* data, size_t size, bool check_scales = true);
     Matrix w13(int e) const;  // [2I, D]
     Matrix w2(int e) const;   // [D, I]
+    const float* b13(int e) const { return biases ? biases + size_t(e) * 2 * intermediate : nullptr; }  // [2I]
+    const float* b2(int e) const {  // [D]
+        return biases ? biases + size_t(experts) * 2 * intermediate + size_t(e) * hidden : nullptr;
+    }
+};
+
+// How a layer's experts compute besides their matrices.
+struct ExpertShape {
+    Activation activation = Activation::SILU;
+    float alpha = 0.f, limit = 0.f;
+    bool biased = false;
 };
 
 struct MoeCall {
@@ -36,7 +50,11 @@ void moe_forward(ThreadPool& pool, const KernelTable& kernels, const MoeCall& ca
 
 // Writes the header of an empty layer into dst (layer_bytes(...) bytes, zeroed after the header).
 // levels: int4's 16 levels, strictly increasing (null: kInt4Levels); ignored for other formats.
-void init_layer(Format f, int experts, int hidden, int intermediate, int group, const int8_t* levels, uint8_t* dst);
+void init_layer(Format f, int experts, int hidden, int intermediate, int group, const int8_t* levels,
+                const ExpertShape& shape, uint8_t* dst);
+
+// Stores expert e's biases (b13 [2I], b2 [D]) in a biased layer.
+void put_biases(const MoeLayerView& layer, int e, const float* b13, const float* b2);
 
 // Quantizes float32 weights of experts [e0, e1) (w13 [e1 - e0, 2I, D], w2 [e1 - e0, D, I]) into
 // the layer on all threads of the pool, to the nearest of the layer's levels.

@@ -6,7 +6,8 @@ E experts, D hidden size, I expert intermediate size.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -19,15 +20,52 @@ FORMATS = ("bf16", "int8", "int4", "int4_asym")
 DEFAULT_GROUP_SIZE = 32
 
 
-def load_expert_stacks(checkpoint: Checkpoint, cfg: ModelConfig, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """One layer's routed experts as w13 [E, 2I, D] (gate rows, then up rows) and w2 [E, D, I]."""
-    d, i = cfg.hidden_size, cfg.moe.intermediate_size
-    w13, w2 = [], []
-    for e in range(cfg.moe.num_experts):
-        gate, up, down = cfg.expert_tensor_names(layer, e)
-        w13.append(torch.cat((checkpoint.get(gate, (i, d)), checkpoint.get(up, (i, d)))))
-        w2.append(checkpoint.get(down, (d, i)))
-    return torch.stack(w13), torch.stack(w2)
+@dataclass(frozen=True)
+class ExpertTensors:
+    """One routed expert as the kernels take it: w13 [2I, D] (gate rows, then up rows), w2 [D, I],
+    and (gpt-oss) the biases b13 [2I] and b2 [D]."""
+
+    w13: torch.Tensor
+    w2: torch.Tensor
+    b13: torch.Tensor | None = None
+    b2: torch.Tensor | None = None
+
+
+class LayerExperts:
+    """A layer's routed experts in float32, expert by expert; gpt-oss's stacked tensors, which hold
+    every expert ([E, D, 2I] gate_up_proj with gate and up columns interleaved and [E, I, D]
+    down_proj, both applied as x @ W, with biases [E, 2I] and [E, D]), are read once."""
+
+    def __init__(self, checkpoint: Checkpoint, cfg: ModelConfig, layer: int):
+        self.checkpoint, self.cfg, self.layer = checkpoint, cfg, layer
+        self._stacked = None
+
+    def __getitem__(self, e: int) -> ExpertTensors:
+        d, i = self.cfg.hidden_size, self.cfg.moe.intermediate_size
+        if not self.cfg.moe.stacked:
+            gate, up, down = self.cfg.expert_tensor_names(self.layer, e)
+            w13 = torch.cat((self.checkpoint.get(gate, (i, d)), self.checkpoint.get(up, (i, d)))).float()
+            return ExpertTensors(w13, self.checkpoint.get(down, (d, i)).float())
+        gate_up, down, b_gate_up, b_down = self._stacked or self._read_stacked()
+        w13 = torch.cat((gate_up[e][:, 0::2].T, gate_up[e][:, 1::2].T)).contiguous()
+        b13 = torch.cat((b_gate_up[e][0::2], b_gate_up[e][1::2]))
+        return ExpertTensors(w13, down[e].T.contiguous(), b13, b_down[e].contiguous())
+
+    def _read_stacked(self):
+        d, i, n = self.cfg.hidden_size, self.cfg.moe.intermediate_size, self.cfg.moe.num_experts
+        gate_up, _, down = self.cfg.expert_tensor_names(self.layer, 0)
+        get = lambda name, shape: self.checkpoint.get(name, shape).float()  # noqa: E731
+        self._stacked = (get(gate_up, (n, d, 2 * i)), get(down, (n, i, d)), get(gate_up + "_bias", (n, 2 * i)),
+                         get(down + "_bias", (n, d)))
+        return self._stacked
+
+
+def load_expert_stacks(checkpoint: Checkpoint, cfg: ModelConfig, layer: int) -> ExpertTensors:
+    """One layer's routed experts stacked: w13 [E, 2I, D], w2 [E, D, I] (and biases [E, 2I], [E, D])."""
+    layer_experts = LayerExperts(checkpoint, cfg, layer)
+    experts = [layer_experts[e] for e in range(cfg.moe.num_experts)]
+    stack = lambda name: torch.stack([getattr(x, name) for x in experts]) if getattr(experts[0], name) is not None else None  # noqa: E731
+    return ExpertTensors(stack("w13"), stack("w2"), stack("b13"), stack("b2"))
 
 
 KINDS = ("gate", "up", "down")
@@ -50,18 +88,24 @@ def pack_layer(checkpoint: Checkpoint, cfg: ModelConfig, layer: int, fmt: str, g
         raise ConfigError(f"expert format must be one of {', '.join(FORMATS)}, got {fmt!r}")
     m, d, i = cfg.moe, cfg.hidden_size, cfg.moe.intermediate_size
     names = [cfg.expert_tensor_names(layer, e) for e in range(m.num_experts)]
-    known = next((q for q in _stored_codes(checkpoint, names[0], fmt, d, i) if q), None)
+    known = next((q for q in _stored_codes(checkpoint, names[0], fmt, d, i, m.stacked) if q), None)
     group = known.group if known else group_size
     levels = list(known.levels) if known and fmt == "int4" else None
-    buf = tandem_native.new_layer(fmt, m.num_experts, d, i, group, levels)
+    buf = tandem_native.new_layer(fmt, m.num_experts, d, i, group, levels, m.activation, m.swiglu_alpha,
+                                  m.swiglu_limit, m.expert_bias)
+    floats = LayerExperts(checkpoint, cfg, layer)
     step = max(1, m.num_experts // error_samples) if error_samples else 1
     for e, expert in enumerate(names):
         codes = [q if q and q.group == group and (levels is None or list(q.levels) == levels) else None
-                 for q in _stored_codes(checkpoint, expert, fmt, d, i)]
-        if not all(codes):
-            w13, w2 = _float_expert(checkpoint, expert, d, i)
-            tandem_native.pack_into(buf, e, w13[None], w2[None], pool)
-            if errors is not None and e % step == 0:
+                 for q in _stored_codes(checkpoint, expert, fmt, d, i, m.stacked)]
+        if not all(codes) or m.expert_bias:
+            x = floats[e]
+            w13, w2 = x.w13.numpy(), x.w2.numpy()
+            if not all(codes):
+                tandem_native.pack_into(buf, e, w13[None], w2[None], pool)
+            if x.b13 is not None:
+                tandem_native.put_biases(buf, e, x.b13.numpy(), x.b2.numpy())
+            if errors is not None and e % step == 0 and not all(codes):
                 _add_errors(errors, buf, e, codes, w13, w2)
         _put(buf, e, codes, i)
         if progress:
@@ -69,10 +113,11 @@ def pack_layer(checkpoint: Checkpoint, cfg: ModelConfig, layer: int, fmt: str, g
     return buf
 
 
-def _stored_codes(checkpoint: Checkpoint, expert: tuple[str, str, str], fmt: str, d: int, i: int) -> list:
+def _stored_codes(checkpoint: Checkpoint, expert: tuple[str, str, str], fmt: str, d: int, i: int,
+                  stacked: bool = False) -> list:
     """Each of the expert's (gate, up, down) stored codes when they are in `fmt` with a group the
     kernels take, else None."""
-    if fmt == "bf16":
+    if fmt == "bf16" or stacked:
         return [None, None, None]
     shapes = ((i, d), (i, d), (d, i))
     codes = [checkpoint.quantized(name, shape) for name, shape in zip(expert, shapes)]
@@ -101,20 +146,14 @@ def _add_errors(errors: dict, buf: np.ndarray, e: int, codes: list, w13: np.ndar
             acc[1] += float(np.square(want, dtype=np.float64).sum())
 
 
-def _float_expert(checkpoint: Checkpoint, expert: tuple[str, str, str], d: int, i: int) -> tuple[np.ndarray, np.ndarray]:
-    """One expert as float32 w13 [2I, D] and w2 [D, I]."""
-    gate, up, down = expert
-    w13 = torch.cat((checkpoint.get(gate, (i, d)), checkpoint.get(up, (i, d)))).float().contiguous()
-    return w13.numpy(), checkpoint.get(down, (d, i)).float().contiguous().numpy()
-
-
 def packed_bytes(cfg: ModelConfig, fmt: str, group_size: int = DEFAULT_GROUP_SIZE, layers: list[int] | None = None) -> int:
     """Bytes of the packed experts of these MoE layers (default: all of them)."""
     import tandem_native
 
     m = cfg.moe
     layers = [i for i in range(cfg.num_layers) if cfg.is_moe(i)] if layers is None else layers
-    return len(layers) * tandem_native.packed_bytes(fmt, m.num_experts, cfg.hidden_size, m.intermediate_size, group_size)
+    return len(layers) * tandem_native.packed_bytes(fmt, m.num_experts, cfg.hidden_size, m.intermediate_size, group_size,
+                                                    m.expert_bias)
 
 
 def default_threads() -> int:

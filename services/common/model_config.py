@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from services.common.errors import ConfigError
 
-ROUTER_METHODS = ("softmax_topk", "greedy", "group_limited_greedy", "noaux_tc")
+ROUTER_METHODS = ("softmax_topk", "greedy", "group_limited_greedy", "noaux_tc", "topk_softmax")
+ACTIVATIONS = ("silu", "swiglu_oai")  # silu(gate) * up; gpt-oss's clamped (up + 1) * gate * sigmoid(alpha * gate)
 ROPE_KINDS = ("default", "linear", "yarn")
 
 
@@ -42,6 +43,7 @@ class AttentionConfig:
     qkv_bias: bool = False
     o_bias: bool = False
     qk_norm: str = ""  # "head": RMSNorm over each head (Qwen3, GLM); "all": over the whole projection (MiniMax-M2)
+    sinks: bool = False  # gpt-oss: a learned logit per head joins each softmax, then is dropped
     sliding_window: int | None = None
     q_lora_rank: int | None = None
     kv_lora_rank: int = 0
@@ -71,6 +73,13 @@ class MoeConfig:
     shared_name: str = ""
     shared_gated: bool = False  # qwen2_moe: shared output scaled by sigmoid(shared_expert_gate(x))
     correction_bias: str = ""  # the router's score correction bias, inside the block; "": none
+    gate_name: str = "gate"  # the router's module inside the block
+    router_bias: bool = False  # gpt-oss: the router's linear has a bias
+    activation: str = "silu"  # one of ACTIVATIONS
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    expert_bias: bool = False  # gpt-oss: each expert's projections have biases
+    stacked: bool = False  # gpt-oss: [E, D, 2I] gate_up_proj (gate and up interleaved) and [E, I, D] down_proj
 
     @property
     def num_experts(self) -> int:
@@ -98,12 +107,21 @@ class ModelConfig:
     moe_layers: tuple[bool, ...]  # per layer: routed experts (True) or a dense MLP
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    layer_windows: tuple[int | None, ...] = ()  # per layer, when layers differ (gpt-oss); else attention's
 
     def is_moe(self, layer: int) -> bool:
         return self.moe_layers[layer]
 
+    def window(self, layer: int) -> int | None:
+        """The sliding window of a layer's attention (None: full attention)."""
+        return self.layer_windows[layer] if self.layer_windows else self.attention.sliding_window
+
     def expert_tensor_names(self, layer: int, expert: int) -> tuple[str, str, str]:
-        """Checkpoint names of (gate, up, down) weights of one routed expert."""
+        """Checkpoint names of (gate, up, down) weights of one routed expert; for stacked experts
+        (gpt-oss) the layer's (gate_up_proj, gate_up_proj, down_proj), which hold every expert."""
+        if self.moe.stacked:
+            base = f"model.layers.{layer}.{self.moe.prefix}.experts"
+            return f"{base}.gate_up_proj", f"{base}.gate_up_proj", f"{base}.down_proj"
         base = f"model.layers.{layer}.{self.moe.prefix}.experts.{expert}"
         return tuple(f"{base}.{name}.weight" for name in self.moe.expert_names)  # type: ignore[return-value]
 
@@ -179,6 +197,8 @@ def _eos(r: _Reader) -> tuple[int, ...]:
 
 def _check_act(r: _Reader) -> None:
     act = r.raw.get("hidden_act", "silu")
+    if r.raw.get("model_type") == "gpt_oss":
+        return  # its experts' activation is its own (swiglu_alpha, swiglu_limit); hidden_act is not read
     if act != "silu":
         raise ConfigError(f"config.json: hidden_act {act!r} is not supported (only 'silu')")
 
@@ -352,6 +372,35 @@ def _minimax_m2(r: _Reader, family: str) -> ModelConfig:
     return ModelConfig(**_common(r, family), attention=attention, rope=rope, moe=moe, moe_layers=(True,) * layers)
 
 
+def _gpt_oss(r: _Reader, family: str) -> ModelConfig:
+    """Attention sinks, sliding and full layers by layer_types, q/k/v/o biases, YaRN; a router with a
+    bias (top-k on its logits, softmax over the k); experts with biases, gate and up interleaved, and
+    the clamped activation."""
+    heads = r.positive("num_attention_heads")
+    attention = _gqa(r, qkv_bias=bool(r.raw.get("attention_bias", True)), o_bias=bool(r.raw.get("attention_bias", True)),
+                     qk_norm="", sliding_window=None)
+    attention = replace(attention, sinks=True)
+    layers = r.positive("num_hidden_layers")
+    types = r.raw.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+    if len(types) != layers or not set(types) <= {"sliding_attention", "full_attention"}:
+        raise ConfigError(f"config.json: layer_types must name sliding_attention or full_attention for each of {layers} layers")
+    window = r.positive("sliding_window") if "sliding_attention" in types else None
+    num_experts = r.first(("num_local_experts", "num_experts"))
+    top_k = r.positive("num_experts_per_tok")
+    if top_k > num_experts:
+        raise ConfigError(f"config.json: num_experts_per_tok ({top_k}) exceeds the expert count ({num_experts})")
+    moe = MoeConfig(
+        router=RouterConfig("topk_softmax", num_experts, top_k, norm_topk_prob=False), intermediate_size=r.positive("intermediate_size"),
+        prefix="mlp", expert_names=("gate_up_proj", "gate_up_proj", "down_proj"), gate_name="router", router_bias=True,
+        activation="swiglu_oai", swiglu_alpha=r.get("swiglu_alpha", float, 1.702), swiglu_limit=r.get("swiglu_limit", float, 7.0),
+        expert_bias=True, stacked=True,
+    )
+    rope = _rope(r, attention.head_dim, interleaved=False)
+    windows = tuple(window if t == "sliding_attention" else None for t in types)
+    return ModelConfig(**_common(r, family), attention=attention, rope=rope, moe=moe, moe_layers=(True,) * layers,
+                       layer_windows=windows)
+
+
 PARSERS: dict[str, Callable[[_Reader, str], ModelConfig]] = {
     "deepseek_v3": _deepseek,
     "kimi_k2": _deepseek,
@@ -361,6 +410,7 @@ PARSERS: dict[str, Callable[[_Reader, str], ModelConfig]] = {
     "mixtral": _mixtral,
     "glm4_moe": _glm4_moe,
     "minimax_m2": _minimax_m2,
+    "gpt_oss": _gpt_oss,
 }
 
 

@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 
+from services.dense.moe.reference import moe_reference
 from tests.reference.moe import random_layer, random_routing, reference, relative_error
 
 tn = pytest.importorskip("tandem_native")
@@ -198,3 +199,36 @@ def test_put_codes_stores_codes_and_scales_as_they_are(pool):
         layer = tn.MoeLayer(buf)
         for (e, m), w in want.items():
             assert np.array_equal(tn.dequantize(layer, e, m), w)
+
+
+
+@pytest.mark.parametrize("isa", ALL_ISAS)
+@pytest.mark.parametrize("fmt", list(TOLERANCE))
+@pytest.mark.parametrize("tokens", [1, 7, 64])
+def test_biases_and_the_clamped_activation(isa, fmt, tokens, layer_weights, pool):
+    """gpt-oss's experts: per-expert biases and (clamp(u) + 1) * g * sigmoid(alpha g), g = min(gate,
+    limit), on every variant against generic and against the torch reference of the same function."""
+    import torch
+
+    if isa not in tn.supported_isas():
+        pytest.skip(f"{isa}: not supported by this CPU or build (supported: {tn.supported_isas()})")
+    w13, w2 = layer_weights
+    rng = np.random.default_rng(11)
+    b13 = rng.standard_normal((E, 2 * I), dtype=np.float32) * 0.3
+    b2 = rng.standard_normal((E, D), dtype=np.float32) * 0.3
+    alpha, limit = 1.702, 0.5  # the limit clamps a good share of these gates and ups
+    buf = tn.new_layer(fmt, E, D, I, 32, activation="swiglu_oai", alpha=alpha, limit=limit, biases=True)
+    tn.pack_into(buf, 0, w13, w2, pool)
+    for e in range(E):
+        tn.put_biases(buf, e, b13[e], b2[e])
+    layer = tn.MoeLayer(buf)
+    assert layer.activation == "swiglu_oai" and layer.biased
+    outs, generic, ref = [], [], []
+    for x, ids, weights in draws(tokens):
+        outs.append(run(layer, x, ids, weights, pool, isa))
+        generic.append(run(layer, x, ids, weights, pool, "generic"))
+        t = torch.from_numpy
+        ref.append(moe_reference(t(x), t(ids), t(weights), t(w13), t(w2), t(b13), t(b2), ("swiglu_oai", alpha, limit)).numpy())
+    outs, generic, ref = (np.concatenate(a) for a in (outs, generic, ref))
+    assert relative_error(outs, generic) <= 1e-3
+    assert relative_error(outs, ref) <= TOLERANCE[fmt]

@@ -20,12 +20,10 @@ class Bf16RoundedReference(TorchExperts):
     """The torch reference fed the same bf16-rounded expert weights the native bf16 format holds."""
 
     def __init__(self, cfg, checkpoint):
-        self.cfg = cfg
-        self.stacks = {
-            layer: tuple(w.bfloat16().float() for w in load_expert_stacks(checkpoint, cfg, layer))
-            for layer in range(cfg.num_layers)
-            if cfg.is_moe(layer)
-        }
+        super().__init__(cfg, checkpoint, torch.float32, torch.device("cpu"))
+        for layer in self.stacks:
+            s = load_expert_stacks(checkpoint, cfg, layer)  # weights rounded as bf16 packs them, biases kept in fp32
+            self.stacks[layer] = (s.w13.bfloat16().float(), s.w2.bfloat16().float(), s.b13, s.b2)
 
 
 def test_native_bf16_greedy_generation_matches_the_reference(family_checkpoint, prompt_ids):

@@ -107,14 +107,14 @@ def test_bad_pack_arguments(weights, pool, kind, message):
 
 def test_non_finite_scale_in_a_buffer(buffer):
     bad = buffer.copy()
-    header, values = 64, 2 * I * D  # expert 0's w13 int8 values come first, then its fp16 scales
+    header, values = 128, 2 * I * D  # format.h: a 128-byte header; expert 0's w13 int8 values come first, then its fp16 scales
     bad[header + values : header + values + 2] = np.frombuffer(np.float16(np.inf).tobytes(), np.uint8)
     with pytest.raises(ValueError, match="buffer: non-finite scale in expert 0"):
         tn.MoeLayer(bad)
 
 
 @pytest.mark.parametrize("damage, message", [
-    (lambda b: b[:100], "buffer: 100 bytes"),
+    (lambda b: b[:200], "buffer: 200 bytes"),
     (lambda b: b[:10], "buffer: too small"),
     (lambda b: np.concatenate([np.frombuffer(b"XXXXXXXX", np.uint8), b[8:]]), "buffer: not a packed MoE layer"),
 ])
@@ -188,7 +188,7 @@ def test_filling_calls_reject_bad_arguments(pool):
     cases = [
         (lambda: tn.pack_into(buf, 2, w13, w2, pool), "first_expert: experts \\[2, 3\\) out of range"),
         (lambda: tn.pack_into(buf, 0, w13[:, :64], w2, pool), "w13: shape"),
-        (lambda: tn.pack_into(buf[:100], 0, w13, w2, pool), "buffer: 100 bytes"),
+        (lambda: tn.pack_into(buf[:200], 0, w13, w2, pool), "buffer: 200 bytes"),
         (lambda: tn.pack_into(np.frombuffer(buf.tobytes(), np.uint8), 0, w13, w2, pool), "buffer: must be writable"),
         (lambda: tn.put_codes(buf, 0, "w3", 0, codes, scales), "matrix: 'w13' or 'w2'"),
         (lambda: tn.put_codes(buf, 5, "w13", 0, codes, scales), "expert: 5 out of range"),

@@ -1,5 +1,6 @@
-// Packed routed-expert layers: one flat buffer = a 64-byte header, then per expert the w13 matrix
-// ([2I, D]: gate rows, then up rows) and the w2 matrix ([D, I]), each section 64-byte aligned.
+// Packed routed-expert layers: one flat buffer = a 128-byte header, then per expert the w13 matrix
+// ([2I, D]: gate rows, then up rows) and the w2 matrix ([D, I]), each section 64-byte aligned, then
+// (a biased layer) every expert's fp32 biases: b13 [E][2I], then b2 [E][D].
 // D hidden size, I expert intermediate size, E experts, G group size (a multiple of 32).
 // bf16: a matrix of R rows x C columns (multiples of 16) is stored in tiles of 4 rows, 16 columns
 //   (32 bytes) of a row at a time ([R/4][C/16][4 rows][16 uint16]), so the 4 rows a kernel computes
@@ -32,7 +33,7 @@ constexpr bool four_bit(Format f) { return f == Format::INT4 || f == Format::INT
 constexpr int kBlock = 32;  // activation quantization block, and the int8/int4 weight block
 constexpr int kTileRows = 4;       // rows of a bf16 tile
 constexpr int kIntTileRows = 16;   // rows of an int8 / int4 tile
-constexpr uint32_t kLayoutVersion = 3;
+constexpr uint32_t kLayoutVersion = 4;
 // Levels of the int4 format, denser near zero where most weights lie: about 12% less error than
 // 16 evenly spaced levels on normally distributed weights, at the same size and speed.
 constexpr int8_t kInt4Levels[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
@@ -48,9 +49,16 @@ struct Header {
     uint32_t intermediate;
     uint64_t total_bytes;
     int8_t levels[16];  // int4: the value of each 4-bit code (zeros otherwise)
-    uint8_t reserved[8];
+    uint32_t activation;  // Activation
+    uint32_t biased;      // 1: per-expert fp32 biases follow the experts (b13 [E][2I], then b2 [E][D])
+    float alpha, limit;   // Activation::SWIGLU_OAI's parameters
+    uint8_t reserved[56];
 };
-static_assert(sizeof(Header) == 64, "header is 64 bytes");
+static_assert(sizeof(Header) == 128, "header is 128 bytes");
+
+// The experts' gated activation of gate g and up u: SILU silu(g) * u; SWIGLU_OAI (gpt-oss)
+// (clamp(u, -limit, limit) + 1) * g' * sigmoid(alpha * g'), g' = min(g, limit).
+enum class Activation : uint32_t { SILU = 0, SWIGLU_OAI = 1 };
 
 // A read-only view of one packed matrix.
 struct Matrix {
@@ -65,7 +73,8 @@ struct Matrix {
 size_t align64(size_t n);
 size_t matrix_bytes(Format f, int rows, int cols, int group);
 size_t expert_bytes(Format f, int hidden, int intermediate, int group);
-size_t layer_bytes(Format f, int experts, int hidden, int intermediate, int group);
+size_t layer_bytes(Format f, int experts, int hidden, int intermediate, int group, bool biased = false);
+size_t bias_bytes(int experts, int hidden, int intermediate);  // the biases' region, 64-byte aligned
 Matrix matrix_at(const uint8_t* base, Format f, int rows, int cols, int group, const int8_t* levels);
 // What a matrix's columns (and the hidden and intermediate sizes) must be a multiple of: 16 (bf16,
 // its block width), 32 (int8), 64 (int4 and int4_asym, a whole number of bytes per tile row); a

@@ -45,6 +45,9 @@ using ArrangeFn = void (*)(const float* x, int cols, float* out);
 
 // h[j] = silu(gate_up[j]) * gate_up[I + j] for j < I: one token's [2I] gate/up row -> [I].
 using SiluMulFn = void (*)(const float* gate_up, int intermediate, float* h);
+// gpt-oss's h[j] = (clamp(u, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate_up[j], limit),
+// u = gate_up[I + j] (format.h's Activation::SWIGLU_OAI).
+using SwigluOaiFn = void (*)(const float* gate_up, int intermediate, float alpha, float limit, float* h);
 
 struct KernelTable {
     const char* name;
@@ -52,6 +55,7 @@ struct KernelTable {
     QuantizeFn quantize;
     ArrangeFn arrange;
     SiluMulFn silu_mul;
+    SwigluOaiFn swiglu_oai;
 };
 
 const KernelTable& generic_kernels();

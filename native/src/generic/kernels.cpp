@@ -91,10 +91,18 @@ void silu_mul(const float* gate_up, int intermediate, float* h) {
     }
 }
 
+void swiglu_oai(const float* gate_up, int intermediate, float alpha, float limit, float* h) {
+    for (int j = 0; j < intermediate; ++j) {
+        const float g = std::min(gate_up[j], limit), u = std::max(-limit, std::min(limit, gate_up[intermediate + j]));
+        h[j] = (u + 1.f) * (g / (1.f + std::exp(-alpha * g)));
+    }
+}
+
 }  // namespace
 
 const KernelTable& generic_kernels() {
-    static const KernelTable table{"generic", {matmul_bf16, matmul_int8, matmul_int4, matmul_int4_asym}, quantize, arrange, silu_mul};
+    static const KernelTable table{"generic", {matmul_bf16, matmul_int8, matmul_int4, matmul_int4_asym}, quantize, arrange,
+                                   silu_mul, swiglu_oai};
     return table;
 }
 

@@ -425,9 +425,26 @@ void silu_mul(const float* gate_up, int intermediate, float* h) {
     for (; j < intermediate; ++j) h[j] = gate_up[j] / (1.f + std::exp(-gate_up[j])) * up[j];
 }
 
+void swiglu_oai(const float* gate_up, int intermediate, float alpha, float limit, float* h) {
+    const float* up = gate_up + intermediate;
+    const __m256 lim = _mm256_set1_ps(limit), neg_lim = _mm256_set1_ps(-limit), one = _mm256_set1_ps(1.f);
+    const __m256 neg_alpha = _mm256_set1_ps(-alpha);
+    int j = 0;
+    for (; j + 8 <= intermediate; j += 8) {
+        const __m256 g = _mm256_min_ps(_mm256_loadu_ps(gate_up + j), lim);
+        const __m256 u = _mm256_max_ps(neg_lim, _mm256_min_ps(lim, _mm256_loadu_ps(up + j)));
+        const __m256 glu = _mm256_div_ps(g, _mm256_add_ps(one, exp_ps(_mm256_mul_ps(neg_alpha, g))));
+        _mm256_storeu_ps(h + j, _mm256_mul_ps(_mm256_add_ps(u, one), glu));
+    }
+    for (; j < intermediate; ++j) {
+        const float g = std::min(gate_up[j], limit), u = std::max(-limit, std::min(limit, up[j]));
+        h[j] = (u + 1.f) * (g / (1.f + std::exp(-alpha * g)));
+    }
+}
+
 // The kernel table of the including variant.
 KernelTable simd_table(const char* name) {
-    return {name, {matmul_bf16, matmul_int8, matmul_int4, matmul_int4_asym}, quantize, arrange, silu_mul};
+    return {name, {matmul_bf16, matmul_int8, matmul_int4, matmul_int4_asym}, quantize, arrange, silu_mul, swiglu_oai};
 }
 
 }  // namespace

@@ -18,6 +18,19 @@ from services.dense.layers.rope import Rotary
 from services.dense.weights import WeightLoader
 
 
+def _attend_with_sinks(q, k, v, mask, scale: float, sinks: torch.Tensor) -> torch.Tensor:
+    """As _attend, with sinks [H]: each head's learned logit joins its softmax as one more key with
+    no value, and takes its share of the probability away (gpt-oss)."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    logits = torch.einsum("thd,shd->hts", q, k) * scale  # [H, T, S]
+    logits = logits.masked_fill(~mask[None], float("-inf"))
+    sink = sinks.to(logits.dtype)[:, None, None].expand(-1, q.shape[0], 1)  # [H, T, 1]
+    combined = torch.cat((logits, sink), dim=-1)
+    probs = (combined - combined.max(dim=-1, keepdim=True).values).softmax(dim=-1)[..., :-1]
+    return torch.einsum("hts,shd->thd", probs.to(v.dtype), v).reshape(q.shape[0], -1)
+
+
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
     """q [T, H, Dq], k [S, Hkv, Dq], v [S, Hkv, Dv], mask [T, S] bool -> [T, H * Dv]."""
     out = F.scaled_dot_product_attention(
@@ -39,6 +52,7 @@ class GQAttention:
             whole = a.qk_norm == "all"  # over the whole projection, else over each head
             self.q_norm = w.norm(f"{prefix}.q_norm", a.num_heads * a.head_dim if whole else a.head_dim)
             self.k_norm = w.norm(f"{prefix}.k_norm", a.num_kv_heads * a.head_dim if whole else a.head_dim)
+        self.sinks = w.tensor(f"{prefix}.sinks", (a.num_heads,), torch.float32) if a.sinks else None  # [H]
 
     def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [T, D] -> q [T, H, Dh], k and v [T, Hkv, Dh], q and k normed as the family does."""
@@ -57,7 +71,10 @@ class GQAttention:
         out = []
         for seg in segments:
             k_all, v_all = seg.kv.update(k[seg.rows], v[seg.rows])
-            out.append(_attend(q[seg.rows], k_all, v_all, seg.mask, self.a.softmax_scale))
+            if self.sinks is None:
+                out.append(_attend(q[seg.rows], k_all, v_all, seg.mask, self.a.softmax_scale))
+            else:
+                out.append(_attend_with_sinks(q[seg.rows], k_all, v_all, seg.mask, self.a.softmax_scale, self.sinks))
         return self.o_proj(torch.cat(out))
 
 

@@ -34,7 +34,7 @@ class Chunk:
 class DecoderLayer:
     def __init__(self, cfg: ModelConfig, w: WeightLoader, layer: int, rotary: Rotary, experts: ExpertBackend):
         prefix, d = f"model.layers.{layer}", cfg.hidden_size
-        self.eps = cfg.rms_norm_eps
+        self.eps, self.window = cfg.rms_norm_eps, cfg.window(layer)
         self.input_norm = w.norm(f"{prefix}.input_layernorm", d)
         self.post_attention_norm = w.norm(f"{prefix}.post_attention_layernorm", d)
         self.attention = make_attention(cfg, w, f"{prefix}.self_attn", rotary)
@@ -78,24 +78,24 @@ class MoeDecoder:
             c.cache.begin(len(c.tokens))
             positions.append(torch.arange(c.cache.start, c.cache.start + len(c.tokens), device=self.device))
         cos_sin = self.rotary.cos_sin(torch.cat(positions), self.dtype)
-        masks = [self._mask(p, c.cache.start + len(c.tokens)) for p, c in zip(positions, chunks)]
+        windows = {layer.window for layer in self.layers}
+        masks = {w: [self._mask(p, c.cache.start + len(c.tokens), w) for p, c in zip(positions, chunks)] for w in windows}
         rows, start = [], 0
         for c in chunks:
             rows.append(slice(start, start + len(c.tokens)))
             start += len(c.tokens)
         h = F.embedding(tokens, self.embed)
         for i, layer in enumerate(self.layers):
-            h = layer(h, cos_sin, [Segment(r, c.cache.layers[i], m) for r, c, m in zip(rows, chunks, masks)])
+            h = layer(h, cos_sin, [Segment(r, c.cache.layers[i], m) for r, c, m in zip(rows, chunks, masks[layer.window])])
         for c in chunks:
             c.cache.commit(len(c.tokens))
         h = h[torch.tensor(logit_rows, dtype=torch.long, device=self.device)]
         return linear(rms_norm(h, self.norm, self.cfg.rms_norm_eps), self.lm_head).float()
 
-    def _mask(self, positions: torch.Tensor, length: int) -> torch.Tensor:
-        """[T, S] bool: causal, and inside the sliding window when the model has one."""
+    def _mask(self, positions: torch.Tensor, length: int, window: int | None) -> torch.Tensor:
+        """[T, S] bool: causal, and inside the sliding window when the layer has one."""
         keys = torch.arange(length, device=self.device)
         mask = keys[None, :] <= positions[:, None]
-        window = self.cfg.attention.sliding_window
         if window:
             mask &= keys[None, :] > positions[:, None] - window
         return mask

@@ -19,7 +19,10 @@ class MoeBlock:
         moe, d = cfg.moe, cfg.hidden_size
         prefix = f"model.layers.{layer}.{moe.prefix}"
         self.layer, self.router, self.experts = layer, moe.router, experts
-        self.gate = w.tensor(f"{prefix}.gate.weight", (moe.num_experts, d), torch.float32)  # [E, D]
+        self.gate = w.tensor(f"{prefix}.{moe.gate_name}.weight", (moe.num_experts, d), torch.float32)  # [E, D]
+        self.gate_bias = None
+        if moe.router_bias:
+            self.gate_bias = w.tensor(f"{prefix}.{moe.gate_name}.bias", (moe.num_experts,), torch.float32)  # [E]
         self.bias = None
         if moe.correction_bias:
             self.bias = w.tensor(f"{prefix}.{moe.correction_bias}", (moe.num_experts,), torch.float32)
@@ -30,7 +33,7 @@ class MoeBlock:
         self.shared_gate = w.linear(f"{prefix}.shared_expert_gate", 1, d) if moe.shared_gated else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [T, D] -> [T, D]
-        ids, weights = route(self.router, linear(x.float(), self.gate), self.bias)
+        ids, weights = route(self.router, linear(x.float(), self.gate, self.gate_bias), self.bias)
         handle = self.experts.submit(self.layer, x, ids, weights)
         shared = self._shared(x)
         routed = self.experts.wait(handle)

@@ -46,11 +46,18 @@ def _noaux_tc(logits, cfg, bias):
     return ids, scores.gather(1, ids)
 
 
+def _topk_softmax(logits, cfg, bias):
+    """gpt-oss: the top-k logits, then a softmax over those k."""
+    values, ids = logits.topk(cfg.top_k, dim=-1)
+    return ids, values.softmax(dim=-1)
+
+
 _METHODS = {
     "softmax_topk": _softmax_topk,
     "greedy": _greedy,
     "group_limited_greedy": _group_limited_greedy,
     "noaux_tc": _noaux_tc,
+    "topk_softmax": _topk_softmax,
 }
 
 

@@ -70,10 +70,22 @@ def test_reference_backend_output_is_the_weighted_sum_of_expert_mlps(family_chec
     expected = torch.zeros_like(x)
     for t in range(3):
         for k in range(cfg.moe.top_k):
-            gate, up, down = (checkpoint.get(n) for n in cfg.expert_tensor_names(layer, int(ids[t, k])))
-            expected[t] += w[t, k] * (down @ (torch.nn.functional.silu(gate @ x[t]) * (up @ x[t])))
+            expected[t] += w[t, k] * expert_mlp(checkpoint, cfg, layer, int(ids[t, k]), x[t])
     assert torch.allclose(out, expected, atol=1e-5)
     assert torch.equal(x, x_before) and torch.equal(ids, ids_before) and torch.equal(w, w_before)
+
+
+def expert_mlp(checkpoint, cfg, layer: int, e: int, x: torch.Tensor) -> torch.Tensor:
+    """One expert on one token x [D], from the checkpoint's tensors as the family stores them."""
+    if not cfg.moe.stacked:
+        gate, up, down = (checkpoint.get(n) for n in cfg.expert_tensor_names(layer, e))
+        return down @ (torch.nn.functional.silu(gate @ x) * (up @ x))
+    base = f"model.layers.{layer}.mlp.experts"  # gpt-oss: x @ W, gate and up interleaved, clamped
+    gate_up = x @ checkpoint.get(f"{base}.gate_up_proj")[e] + checkpoint.get(f"{base}.gate_up_proj_bias")[e]
+    limit, alpha = cfg.moe.swiglu_limit, cfg.moe.swiglu_alpha
+    gate, up = gate_up[0::2].clamp(max=limit), gate_up[1::2].clamp(-limit, limit)
+    h = (up + 1) * gate * torch.sigmoid(alpha * gate)
+    return h @ checkpoint.get(f"{base}.down_proj")[e] + checkpoint.get(f"{base}.down_proj_bias")[e]
 
 
 def test_reference_backend_rejects_a_bad_layer_or_expert_id(family_checkpoint):

@@ -48,7 +48,7 @@ def test_tandem_serve_answers_like_the_in_process_reference_and_stops_cleanly():
             os.kill(pid, 0)
 
 
-@pytest.mark.parametrize("family", ["glm4_moe", "minimax_m2"])
+@pytest.mark.parametrize("family", ["glm4_moe", "minimax_m2", "gpt_oss"])
 def test_tandem_serve_serves_the_newer_families_with_their_chat_template(family):
     from tests.checkpoints import checkpoint
 

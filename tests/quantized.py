@@ -9,6 +9,8 @@ numerical truth.
   fp8_ue8m0   the same with power-of-two scales stored as float8_e8m0fnu (scale_fmt ue8m0)
   int4        compressed-tensors pack-quantized: routed experts in symmetric 4-bit, group 32,
               bfloat16 scales; everything else on the ignore list
+  mxfp4       gpt-oss's release format (of the tiny gpt_oss): stacked experts as E2M1 blocks of 32
+              with power-of-two scales; the twin is transformers' own MXFP4 dequantization
 O output features, I input features.
 """
 
@@ -29,7 +31,12 @@ BASE = "deepseek_v3_tiles"
 BLOCK = 128
 GROUP = 32
 NOT_CONVERTED = "model.layers.2.self_attn.o_proj"
-KINDS = ("fp8", "fp8_ue8m0", "int4")
+KINDS = ("fp8", "fp8_ue8m0", "int4", "mxfp4")
+E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+
+
+def _base(kind: str) -> str:
+    return "gpt_oss" if kind == "mxfp4" else BASE
 
 
 def _fp8_target(name: str, t: torch.Tensor) -> bool:
@@ -72,10 +79,29 @@ def _int4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return packed, scale, deq
 
 
+def _mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """w [E, K, N] (applied as x @ w[e]) -> (blocks uint8 [E, N, K/32, 16], scales uint8 [E, N, K/32],
+    transformers' dequantization [E, K, N])."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    rows = w.transpose(1, 2)  # [E, N, K]: output rows
+    blocks = rows.reshape(*rows.shape[:2], -1, 32)
+    exponent = torch.ceil(torch.log2(blocks.abs().amax(-1).clamp(min=1e-30) / 6.0))  # [E, N, G]
+    scaled = blocks / torch.exp2(exponent)[..., None]
+    nearest = (scaled.abs()[..., None] - E2M1).abs().argmin(-1)  # [E, N, G, 32]
+    codes = (nearest + 8 * (scaled < 0)).to(torch.uint8)
+    packed = (codes[..., 0::2] | (codes[..., 1::2] << 4)).contiguous()
+    scales = (exponent + 127).to(torch.uint8)
+    return packed, scales, convert_moe_packed_tensors(packed, scales, dtype=torch.float32)
+
+
 def _quantize(kind: str, tensors: dict[str, torch.Tensor]) -> tuple[dict, dict]:
     stored, deq = {}, {}
     for name, t in sorted(tensors.items()):
         t = t.float()
+        if kind == "mxfp4" and name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            stored[name + "_blocks"], stored[name + "_scales"], deq[name] = _mxfp4(t)
+            continue
         if kind.startswith("fp8") and _fp8_target(name, t):
             q, scales, deq[name] = _fp8(t, kind == "fp8_ue8m0")
             stored[name] = q
@@ -90,6 +116,9 @@ def _quantize(kind: str, tensors: dict[str, torch.Tensor]) -> tuple[dict, dict]:
 
 
 def _quant_config(kind: str) -> dict:
+    if kind == "mxfp4":
+        return {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                                                     "model.embed_tokens", "lm_head"]}
     if kind.startswith("fp8"):
         cfg = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [BLOCK, BLOCK],
                "modules_to_not_convert": [NOT_CONVERTED]}
@@ -102,7 +131,7 @@ def _quant_config(kind: str) -> dict:
 
 
 def _write(kind: str, out: Path, quantized: bool) -> None:
-    base = checkpoint(BASE)
+    base = checkpoint(_base(kind))
     stored, deq = _quantize(kind, load_file(base / "model.safetensors"))
     config = json.loads((base / "config.json").read_text())
     if quantized:
@@ -115,13 +144,13 @@ def _write(kind: str, out: Path, quantized: bool) -> None:
 
 
 def _digest(kind: str) -> str:
-    recipe = [kind, BLOCK, GROUP, NOT_CONVERTED, Path(__file__).read_text(), str(checkpoint(BASE))]
+    recipe = [kind, BLOCK, GROUP, NOT_CONVERTED, Path(__file__).read_text(), str(checkpoint(_base(kind)))]
     return hashlib.sha256(json.dumps(recipe).encode()).hexdigest()[:12]
 
 
 def quantized(kind: str) -> Path:
-    return cached(f"{BASE}-{kind}", _digest(kind), lambda out: _write(kind, out, True))
+    return cached(f"{_base(kind)}-{kind}", _digest(kind), lambda out: _write(kind, out, True))
 
 
 def dequantized(kind: str) -> Path:
-    return cached(f"{BASE}-{kind}-dequantized", _digest(kind), lambda out: _write(kind, out, False))
+    return cached(f"{_base(kind)}-{kind}-dequantized", _digest(kind), lambda out: _write(kind, out, False))

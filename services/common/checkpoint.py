@@ -78,10 +78,11 @@ class Checkpoint:
         self._checked(name, shape)
         return self.source.read(name)
 
-    def quantized(self, name: str, shape: tuple[int, ...] | None = None) -> QuantizedWeight | None:
-        """The tensor's stored codes when they are a packed format's (see sources.base), else None."""
+    def quantized(self, name: str, shape: tuple[int, ...] | None = None, index: int | None = None) -> QuantizedWeight | None:
+        """The tensor's stored codes (of its slice `index`, for stacked experts) when they are a packed
+        format's (see sources.base), else None."""
         self._checked(name, shape)
-        return self.source.quantized(name)
+        return self.source.quantized(name, index)
 
     def fingerprint(self) -> str:
         """A digest of config.json and the stored weights' names, sizes and headers (not the data)."""

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from services.common.checkpoint import Checkpoint
+from services.common.sources import QuantizedWeight
 from services.common.errors import ConfigError
 from services.common.model_config import ModelConfig
 
@@ -88,7 +89,7 @@ def pack_layer(checkpoint: Checkpoint, cfg: ModelConfig, layer: int, fmt: str, g
         raise ConfigError(f"expert format must be one of {', '.join(FORMATS)}, got {fmt!r}")
     m, d, i = cfg.moe, cfg.hidden_size, cfg.moe.intermediate_size
     names = [cfg.expert_tensor_names(layer, e) for e in range(m.num_experts)]
-    known = next((q for q in _stored_codes(checkpoint, names[0], fmt, d, i, m.stacked) if q), None)
+    known = next((q for q in _stored_codes(checkpoint, names[0], fmt, d, i, m.stacked, 0) if q), None)
     group = known.group if known else group_size
     levels = list(known.levels) if known and fmt == "int4" else None
     buf = tandem_native.new_layer(fmt, m.num_experts, d, i, group, levels, m.activation, m.swiglu_alpha,
@@ -97,7 +98,7 @@ def pack_layer(checkpoint: Checkpoint, cfg: ModelConfig, layer: int, fmt: str, g
     step = max(1, m.num_experts // error_samples) if error_samples else 1
     for e, expert in enumerate(names):
         codes = [q if q and q.group == group and (levels is None or list(q.levels) == levels) else None
-                 for q in _stored_codes(checkpoint, expert, fmt, d, i, m.stacked)]
+                 for q in _stored_codes(checkpoint, expert, fmt, d, i, m.stacked, e)]
         if not all(codes) or m.expert_bias:
             x = floats[e]
             w13, w2 = x.w13.numpy(), x.w2.numpy()
@@ -114,15 +115,27 @@ def pack_layer(checkpoint: Checkpoint, cfg: ModelConfig, layer: int, fmt: str, g
 
 
 def _stored_codes(checkpoint: Checkpoint, expert: tuple[str, str, str], fmt: str, d: int, i: int,
-                  stacked: bool = False) -> list:
-    """Each of the expert's (gate, up, down) stored codes when they are in `fmt` with a group the
-    kernels take, else None."""
-    if fmt == "bf16" or stacked:
+                  stacked: bool = False, e: int = 0) -> list:
+    """Each of expert e's (gate, up, down) stored codes when they are in `fmt` with a group the
+    kernels take, else None. Stacked (gpt-oss) gate_up codes are rows of gate and up interleaved."""
+    if fmt == "bf16":
         return [None, None, None]
-    shapes = ((i, d), (i, d), (d, i))
-    codes = [checkpoint.quantized(name, shape) for name, shape in zip(expert, shapes)]
+    if stacked:
+        gate_up = checkpoint.quantized(expert[0], index=e)
+        codes = [_rows(gate_up, 0), _rows(gate_up, 1), checkpoint.quantized(expert[2], index=e)]
+    else:
+        shapes = ((i, d), (i, d), (d, i))
+        codes = [checkpoint.quantized(name, shape) for name, shape in zip(expert, shapes)]
     return [q if q is not None and q.format == fmt and q.group % 32 == 0 and d % q.group == 0 and i % q.group == 0
             else None for q in codes]
+
+
+def _rows(q: QuantizedWeight | None, first: int) -> QuantizedWeight | None:
+    """Every other row of q from `first` (one half of interleaved gate and up rows)."""
+    if q is None:
+        return None
+    take = lambda a: None if a is None else np.ascontiguousarray(a[first::2])  # noqa: E731
+    return QuantizedWeight(q.format, take(q.codes), take(q.scales), q.group, q.levels, take(q.mins))
 
 
 def _put(buf: np.ndarray, e: int, codes: list, i: int) -> None:

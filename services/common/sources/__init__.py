@@ -11,10 +11,11 @@ from services.common.sources.fp8 import Fp8Source
 from services.common.sources.gguf import GgufSource
 from services.common.sources.gguf_file import GgufFile
 from services.common.sources.gguf_meta import check_agrees
+from services.common.sources.mxfp4 import Mxfp4Source
 from services.common.sources.plain import PlainSource
 from services.common.sources.safetensors import SafetensorsFiles
 
-QUANT_METHODS = ("fp8", "compressed-tensors")
+QUANT_METHODS = ("fp8", "compressed-tensors", "mxfp4")
 
 __all__ = ["QuantizedWeight", "TensorSource", "gguf_in", "open_source"]
 
@@ -54,6 +55,8 @@ def open_safetensors(model_dir: Path, config: dict) -> TensorSource:
         return Fp8Source(files, qcfg)
     if method == "compressed-tensors":
         return CompressedInt4Source(files, qcfg)
+    if method == "mxfp4":
+        return Mxfp4Source(files, qcfg)
     raise ConfigError(
         f"config.json: quantization_config quant_method {method!r} is not supported (supported: {', '.join(QUANT_METHODS)})"
     )

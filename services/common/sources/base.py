@@ -52,8 +52,9 @@ class TensorSource(ABC):
     def stored_bytes(self, name: str) -> int:
         """Bytes of the file(s) behind the tensor, scales included (what reading it costs)."""
 
-    def quantized(self, name: str) -> QuantizedWeight | None:
-        """The stored codes when they are a packed format's, else None."""
+    def quantized(self, name: str, index: int | None = None) -> QuantizedWeight | None:
+        """The stored codes (of slice `index` of a stacked expert tensor) when they are a packed
+        format's, else None."""
         return None
 
     @abstractmethod

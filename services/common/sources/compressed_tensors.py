@@ -104,7 +104,7 @@ class CompressedInt4Source(PlainSource):
         values = codes.to(torch.int32) - 8
         return (values.view(codes.shape[0], -1, group) * scale.float()[:, :, None]).view(codes.shape).float()
 
-    def quantized(self, name: str) -> QuantizedWeight | None:
+    def quantized(self, name: str, index: int | None = None) -> QuantizedWeight | None:
         if name not in self._packed:
             return None
         codes, scale, group = self._codes(name)

@@ -164,7 +164,7 @@ class GgufSource(TensorSource):
         n = self.g.nbytes(ref.tensor, ref.expert)
         return n if ref.rows is None else n * (ref.rows.stop - ref.rows.start) // self.g.shape(ref.tensor)[1]
 
-    def quantized(self, name: str) -> QuantizedWeight | None:
+    def quantized(self, name: str, index: int | None = None) -> QuantizedWeight | None:
         ref = self.refs[name]
         kind = self.g.type_name(ref.tensor)
         if ref.kv_b or ref.permute or kind not in BLOCK_BYTES:

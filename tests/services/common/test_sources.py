@@ -40,7 +40,7 @@ def test_logits_and_greedy_tokens_match_transformers_on_the_dequantized_checkpoi
     assert generate(model, ids, SamplingParams(temperature=0, max_tokens=32)).tokens == hf_greedy(dequantized(kind), ids, 32)
 
 
-@pytest.fixture(params=["fp8", "fp8_ue8m0", "int4"])
+@pytest.fixture(params=["fp8", "fp8_ue8m0", "int4", "mxfp4"])
 def kind(request):
     return request.param
 
@@ -58,6 +58,45 @@ def test_int4_experts_import_bit_exact():
         gate, up, down = (ref[n] for n in cfg.expert_tensor_names(1, e))
         assert np.array_equal(tn.dequantize(layer, e, "w13"), torch.cat((gate, up)).numpy())
         assert np.array_equal(tn.dequantize(layer, e, "w2"), down.numpy())
+
+
+@pytest.mark.native
+def test_mxfp4_experts_import_bit_exact():
+    """gpt-oss's MXFP4 experts into int4 with the E2M1 levels: the packed layer dequantized equals
+    transformers' MXFP4 dequantization (gate and up rows de-interleaved, as the layer holds them)."""
+    import tandem_native as tn
+
+    ckpt = Checkpoint(quantized("mxfp4"))
+    cfg = parse_model_config(ckpt.config)
+    ref = load_file(dequantized("mxfp4") / "model.safetensors")
+    layer = tn.MoeLayer(pack_layer(ckpt, cfg, 1, "int4", 64, tn.ThreadPool(1)))
+    assert layer.levels == [-12, -8, -6, -4, -3, -2, -1, 0, 1, 2, 3, 4, 6, 8, 12, 16] and layer.group_size == 32
+    gate_up, down = ref["model.layers.1.mlp.experts.gate_up_proj"], ref["model.layers.1.mlp.experts.down_proj"]
+    for e in range(cfg.moe.num_experts):
+        w13 = torch.cat((gate_up[e][:, 0::2].T, gate_up[e][:, 1::2].T))
+        assert np.array_equal(tn.dequantize(layer, e, "w13"), w13.numpy())
+        assert np.array_equal(tn.dequantize(layer, e, "w2"), down[e].T.numpy())
+
+
+@pytest.mark.native
+def test_mxfp4_scales_beyond_fp16_are_quantized_again(copy_of):
+    """A block scale of 2^-40 (s = 87) has no fp16: that tensor is packed from its floats instead,
+    so the layer still holds its values within int4's error, and convert reports it."""
+    import tandem_native as tn
+
+    path = copy_of("mxfp4")
+    name = "model.layers.1.mlp.experts.down_proj_scales"
+    _edit_tensors(path, lambda t: t[name].view(-1)[:4].fill_(87))
+    ckpt = Checkpoint(path)
+    cfg = parse_model_config(ckpt.config)
+    assert ckpt.quantized("model.layers.1.mlp.experts.down_proj", index=0) is None
+    assert ckpt.quantized("model.layers.1.mlp.experts.gate_up_proj", index=0) is not None
+    errors = {}
+    layer = tn.MoeLayer(pack_layer(ckpt, cfg, 1, "int4", 64, tn.ThreadPool(1), errors=errors))
+    down = ckpt.get("model.layers.1.mlp.experts.down_proj")
+    got = np.stack([tn.dequantize(layer, e, "w2") for e in range(cfg.moe.num_experts)])
+    want = down.transpose(1, 2).numpy()
+    assert set(errors) == {"down"} and 0 < np.linalg.norm(got - want) / np.linalg.norm(want) < 0.2
 
 
 @pytest.mark.native

@@ -13,6 +13,7 @@ from expert_server.config import ServerConfig
 from expert_server.executor import ExpertExecutor
 from expert_server.server import ExpertServicer, build_server, set_serving
 from services.common.checkpoint import Checkpoint
+from services.common.expert_weights import packed_bytes
 from services.common.model_config import parse_model_config
 
 log = logging.getLogger(__name__)
@@ -39,7 +40,7 @@ class RunningServer:
 def announce(cfg: ServerConfig, checkpoint: Checkpoint, model_cfg) -> list[int]:
     """Prints what will be loaded and the memory it needs; refuses if the machine lacks it."""
     layers = store.moe_layers(model_cfg, cfg.layers)
-    need = store.packed_bytes(model_cfg, cfg.format, cfg.group_size, layers)
+    need = packed_bytes(model_cfg, cfg.format, cfg.group_size, layers)
     source = f"store {cfg.store}" if cfg.store else f"checkpoint {checkpoint.dir}"
     print(f"expert server: {len(layers)} MoE layers ({layers[0]}-{layers[-1]}) in {cfg.format} from {source}: "
           f"needs {need / 2**30:.2f} GiB", file=sys.stderr, flush=True)

@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from services.common.checkpoint import Checkpoint
 from services.common.errors import CheckpointError, ConfigError
-from services.common.expert_weights import pack_layer, packed_bytes
+from services.common.expert_weights import pack_layer
 from services.common.model_config import ModelConfig
 
 STORE_MAGIC = b"TNDSTORE"

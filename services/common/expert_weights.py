@@ -6,7 +6,7 @@ E experts, D hidden size, I expert intermediate size.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np

@@ -376,7 +376,6 @@ def _gpt_oss(r: _Reader, family: str) -> ModelConfig:
     """Attention sinks, sliding and full layers by layer_types, q/k/v/o biases, YaRN; a router with a
     bias (top-k on its logits, softmax over the k); experts with biases, gate and up interleaved, and
     the clamped activation."""
-    heads = r.positive("num_attention_heads")
     attention = _gqa(r, qkv_bias=bool(r.raw.get("attention_bias", True)), o_bias=bool(r.raw.get("attention_bias", True)),
                      qk_norm="", sliding_window=None)
     attention = replace(attention, sinks=True)

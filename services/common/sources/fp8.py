@@ -15,7 +15,7 @@ import math
 import torch
 
 from services.common.errors import CheckpointError, ConfigError
-from services.common.sources.base import TensorSource, check_scale_shape
+from services.common.sources.base import check_scale_shape
 from services.common.sources.plain import PlainSource
 from services.common.sources.safetensors import FLOAT_DTYPES, SafetensorsFiles
 

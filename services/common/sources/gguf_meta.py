@@ -5,7 +5,6 @@ next to it describes the same model.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from services.common.errors import CheckpointError

@@ -15,6 +15,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 #include "tandem/kernels.h"
@@ -339,14 +340,31 @@ void int4_asym_tile(const Matrix& w, int r, const TokenRows<N>& t, float* y, int
     });
 }
 
-template <int N>
-void int4_asym_tokens(const Matrix& w, int r, const Activations& x, int i, float* y, int ldy) {
-    int4_asym_tile<N>(w, r, TokenRows<N>(x, i), y + int64_t(i) * ldy, ldy);
+// Rows [r0, r1) a 16-row tile at a time (r0 and r1 are multiples of it), against the tokens
+// kTokensPerLoad at a time, then 2, then 1: tile(N, r, i, y) computes tokens i .. i + N - 1 of the
+// tile at row r into y (N an integral_constant).
+template <typename Tile>
+void by_tiles(int r0, int r1, int n, float* y, int ldy, Tile tile) {
+    for (int r = r0; r < r1; r += kIntTileRows) {
+        float* yr = y + (r - r0);
+        int i = 0;
+        for (; i + kTokensPerLoad <= n; i += kTokensPerLoad)
+            tile(std::integral_constant<int, kTokensPerLoad>{}, r, i, yr + int64_t(i) * ldy);
+        for (; i + 2 <= n; i += 2) tile(std::integral_constant<int, 2>{}, r, i, yr + int64_t(i) * ldy);
+        if (i < n) tile(std::integral_constant<int, 1>{}, r, i, yr + int64_t(i) * ldy);
+    }
 }
 
-template <int N>
-void int8_tokens(const Matrix& w, int r, const Activations& x, int i, float* y, int ldy) {
-    int8_tile<N>(w, r, TokenRows<N>(x, i), y + int64_t(i) * ldy, ldy);
+void matmul_int8(const Matrix& w, int r0, int r1, const Activations& x, int n, float* y, int ldy) {
+    by_tiles(r0, r1, n, y, ldy, [&](auto N, int r, int i, float* yi) {
+        int8_tile<decltype(N)::value>(w, r, TokenRows<decltype(N)::value>(x, i), yi, ldy);
+    });
+}
+
+void matmul_int4_asym(const Matrix& w, int r0, int r1, const Activations& x, int n, float* y, int ldy) {
+    by_tiles(r0, r1, n, y, ldy, [&](auto N, int r, int i, float* yi) {
+        int4_asym_tile<decltype(N)::value>(w, r, TokenRows<decltype(N)::value>(x, i), yi, ldy);
+    });
 }
 
 template <int N>
@@ -354,33 +372,14 @@ void int4_tokens(const Matrix& w, int r, const Activations& x, int i, float* y, 
     int4_tile<N>(w, r, TokenRows<N>(x, i), y + int64_t(i) * ldy, ldy);
 }
 
-// r0 and r1 are multiples of the 16-row tile.
-void matmul_int8(const Matrix& w, int r0, int r1, const Activations& x, int n, float* y, int ldy) {
-    for (int r = r0; r < r1; r += kIntTileRows) {
-        float* yr = y + (r - r0);
-        int i = 0;
-        for (; i + kTokensPerLoad <= n; i += kTokensPerLoad) int8_tokens<kTokensPerLoad>(w, r, x, i, yr, ldy);
-        for (; i + 2 <= n; i += 2) int8_tokens<2>(w, r, x, i, yr, ldy);
-        if (i < n) int8_tokens<1>(w, r, x, i, yr, ldy);
-    }
-}
-
+// r0 and r1 are multiples of the 16-row tile; int4 takes kInt4Tokens at a time (its unpacking
+// spills on AVX2 with more).
 void matmul_int4(const Matrix& w, int r0, int r1, const Activations& x, int n, float* y, int ldy) {
     for (int r = r0; r < r1; r += kIntTileRows) {
         float* yr = y + (r - r0);
         int i = 0;
         for (; i + kInt4Tokens <= n; i += kInt4Tokens) int4_tokens<kInt4Tokens>(w, r, x, i, yr, ldy);
         if (i < n) int4_tokens<1>(w, r, x, i, yr, ldy);
-    }
-}
-
-void matmul_int4_asym(const Matrix& w, int r0, int r1, const Activations& x, int n, float* y, int ldy) {
-    for (int r = r0; r < r1; r += kIntTileRows) {
-        float* yr = y + (r - r0);
-        int i = 0;
-        for (; i + kTokensPerLoad <= n; i += kTokensPerLoad) int4_asym_tokens<kTokensPerLoad>(w, r, x, i, yr, ldy);
-        for (; i + 2 <= n; i += 2) int4_asym_tokens<2>(w, r, x, i, yr, ldy);
-        if (i < n) int4_asym_tokens<1>(w, r, x, i, yr, ldy);
     }
 }
 

@@ -18,6 +18,10 @@ from services.dense.layers.rope import Rotary
 from services.dense.weights import WeightLoader
 
 
+# Up to this many new tokens of a sequence, MLA attends over the cached latent directly (absorbed).
+ABSORB_MAX_TOKENS = 16
+
+
 def _attend_with_sinks(q, k, v, mask, scale: float, sinks: torch.Tensor) -> torch.Tensor:
     """As _attend, with sinks [H]: each head's learned logit joins its softmax as one more key with
     no value, and takes its share of the probability away (gpt-oss)."""
@@ -92,6 +96,7 @@ class MLAttention:
         self.kv_a_proj = w.linear(f"{prefix}.kv_a_proj_with_mqa", a.kv_lora_rank + a.qk_rope_head_dim, d, a.qkv_bias)
         self.kv_a_layernorm = w.norm(f"{prefix}.kv_a_layernorm", a.kv_lora_rank)
         self.kv_b_proj = w.linear(f"{prefix}.kv_b_proj", a.num_heads * (a.qk_nope_head_dim + a.v_head_dim), a.kv_lora_rank)
+        self._kv_b = None  # kv_b_proj's weight as key and value parts, for absorbed attention
         self.o_proj = w.linear(f"{prefix}.o_proj", d, a.num_heads * a.v_head_dim, a.o_bias)
 
     def _query(self, x: torch.Tensor) -> torch.Tensor:
@@ -114,11 +119,35 @@ class MLAttention:
         return self.o_proj(torch.cat(out))
 
     def _attend_cached(self, q: torch.Tensor, latent: torch.Tensor, k_rot: torch.Tensor, mask: torch.Tensor):
-        """q [T, H, N + R] against one sequence's cache: latent [S, C], k_rot [S, R] -> [T, H * V]."""
+        """q [T, H, N + R] against one sequence's cache: latent [S, C], k_rot [S, R] -> [T, H * V].
+        A few new tokens against a long cache attend over the latent itself (absorbed); a prompt
+        chunk expands the cache's keys and values once for all its rows."""
+        if q.shape[0] <= ABSORB_MAX_TOKENS:
+            return self._attend_absorbed(q, latent, k_rot, mask)
         a, s = self.a, latent.shape[0]
         k_nope, v = self.kv_b_proj(latent).view(s, a.num_heads, -1).split([a.qk_nope_head_dim, a.v_head_dim], -1)
         k = torch.cat((k_nope, k_rot[:, None, :].expand(s, a.num_heads, a.qk_rope_head_dim)), dim=-1)
         return _attend(q, k, v, mask, a.softmax_scale)
+
+    def _attend_absorbed(self, q: torch.Tensor, latent: torch.Tensor, k_rot: torch.Tensor, mask: torch.Tensor):
+        """The same attention without expanding the cache: kv_b_proj's key part folds into the query,
+        q_nope . (W_k latent) = (W_k^T q_nope) . latent, and its value part applies after the
+        weighted sum of latents; each step reads the [S, C + R] cache instead of making [S, H, N + V]."""
+        a, t = self.a, q.shape[0]
+        w_k, w_v = self._kv_b_parts()  # [H, N, C], [H, V, C]
+        q_nope, q_rot = q.split([a.qk_nope_head_dim, a.qk_rope_head_dim], dim=-1)
+        q_latent = torch.einsum("thn,hnc->thc", q_nope, w_k)  # [T, H, C]
+        logits = torch.einsum("thc,sc->hts", q_latent, latent) + torch.einsum("thr,sr->hts", q_rot, k_rot)
+        probs = (logits * a.softmax_scale).masked_fill(~mask[None], float("-inf")).softmax(dim=-1)  # [H, T, S]
+        o_latent = torch.einsum("hts,sc->thc", probs.to(latent.dtype), latent)  # [T, H, C]
+        return torch.einsum("thc,hvc->thv", o_latent, w_v).reshape(t, -1)
+
+    def _kv_b_parts(self) -> tuple[torch.Tensor, torch.Tensor]:
+        a = self.a
+        if self._kv_b is None:
+            w = self.kv_b_proj.weight.view(a.num_heads, a.qk_nope_head_dim + a.v_head_dim, a.kv_lora_rank)
+            self._kv_b = tuple(part.contiguous() for part in w.split([a.qk_nope_head_dim, a.v_head_dim], dim=1))
+        return self._kv_b
 
 
 def make_attention(cfg: ModelConfig, w: WeightLoader, prefix: str, rotary: Rotary):

@@ -1,10 +1,12 @@
 """Our dense path against transformers on every family's tiny checkpoint (float32)."""
 
+import pytest
 import torch
 
 from services.dense.generate import generate
 from services.dense.sampling import SamplingParams
 from services.dense.tokenizer import Tokenizer
+from tests.checkpoints import checkpoint
 from tests.conftest import load_fp32
 from tests.reference.hf_oracle import hf_greedy, hf_logits
 
@@ -60,3 +62,17 @@ def test_bfloat16_dense_path_is_as_close_to_float32_as_transformers_bf16(family_
         return ((x - exact).norm() / exact.norm()).item()
 
     assert rel(ours) <= 1.5 * rel(theirs) + 1e-3
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3", "deepseek_v3_qnull", "deepseek_v2"])
+def test_absorbed_mla_equals_the_expanded_form_at_every_position(name, monkeypatch):
+    """Absorbed MLA (decode's path) against the expanded keys and values, over 300 positions."""
+    from services.dense.layers import attention
+
+    model, _ = load_fp32(checkpoint(name))
+    tokens = torch.randint(3, model.cfg.vocab_size, (300,), generator=torch.Generator().manual_seed(1))
+    runs = {}
+    for absorb in (0, 10**6):
+        monkeypatch.setattr(attention, "ABSORB_MAX_TOKENS", absorb)
+        runs[absorb] = model.forward(tokens, model.new_cache(len(tokens)))
+    assert (runs[0] - runs[10**6]).abs().max().item() <= 1e-4

@@ -15,6 +15,7 @@
 #include "dispatch.h"
 #include "expert_session.h"
 #include "moe.h"
+#include "selfcheck.h"
 
 namespace py = pybind11;
 using namespace tandem;
@@ -215,8 +216,17 @@ PyJob submit(py::object layer_obj, py::array x, py::array ids, py::array weights
 
 PYBIND11_MODULE(tandem_native, m) {
     m.doc() = "Tandem's CPU MoE kernels (generic, AVX2, AVX-512 and AMX variants, the best chosen at import)";
+    // TANDEM_NATIVE_ISA forces a variant as it is; otherwise the best one is checked against generic
+    // first (TANDEM_NATIVE_SELFCHECK_FAULT=<variant> makes that one fail the check, for the tests).
     const char* forced = std::getenv("TANDEM_NATIVE_ISA");
-    g_active = &select_kernels(forced ? forced : "");
+    if (forced && *forced) {
+        g_active = &select_kernels(forced);
+    } else {
+        const char* fault = std::getenv("TANDEM_NATIVE_SELFCHECK_FAULT");
+        std::string warning;
+        g_active = &checked_kernels(fault ? fault : "", warning);
+        if (!warning.empty() && PyErr_WarnEx(PyExc_RuntimeWarning, warning.c_str(), 1) != 0) throw py::error_already_set();
+    }
     register_expert_sessions(m);
 
     m.def("supported_isas", &supported_isas, "ISA variants this CPU runs, best last");

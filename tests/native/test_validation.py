@@ -211,3 +211,19 @@ def test_a_layer_whose_levels_are_not_increasing_is_refused():
     buf[40:56] = 0  # the header's levels (format.h)
     with pytest.raises(ValueError, match="int4 levels are not strictly increasing"):
         tn.MoeLayer(buf)
+
+
+def test_the_best_variant_is_checked_against_generic_and_gives_way_when_it_disagrees():
+    """At import the best variant runs a small layer of every format against generic; forced to
+    disagree (TANDEM_NATIVE_SELFCHECK_FAULT), it gives way to the next one down with a warning."""
+    isas = tn.supported_isas()
+    if len(isas) < 2:
+        pytest.skip("only the generic variant runs here")
+    assert tn.active_isa() == isas[-1]
+    code = "import warnings, tandem_native as t; warnings.simplefilter('always'); print(t.active_isa())"
+    env = {**os.environ, "TANDEM_NATIVE_SELFCHECK_FAULT": isas[-1]}
+    env.pop("TANDEM_NATIVE_ISA", None)
+    run = subprocess.run([sys.executable, "-W", "always", "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == isas[-2]
+    assert f"the {isas[-1]} kernels disagree with generic" in run.stderr and f"using {isas[-2]} instead" in run.stderr

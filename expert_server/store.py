@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from services.common.checkpoint import Checkpoint
 from services.common.errors import CheckpointError, ConfigError
-from services.common.expert_weights import pack_layer
+from services.common.expert_weights import LayerExperts, pack_layer
 from services.common.model_config import ModelConfig
 
 STORE_MAGIC = b"TNDSTORE"
@@ -77,8 +77,8 @@ def check_memory(need: int, available: int) -> None:
 
 def source_bytes(checkpoint: Checkpoint, cfg: ModelConfig, layers: list[int]) -> int:
     """Bytes of the routed experts' stored tensors in these layers: what packing them reads."""
-    names = (n for layer in layers for e in range(cfg.moe.num_experts) for n in cfg.expert_tensor_names(layer, e))
-    return sum(checkpoint.stored_bytes(n) for n in names)
+    experts = (LayerExperts(checkpoint, cfg, layer) for layer in layers)
+    return sum(x.stored_bytes(e) for x in experts for e in range(cfg.moe.num_experts))
 
 
 def _bar(checkpoint: Checkpoint, cfg: ModelConfig, layers: list[int], desc: str) -> tqdm:

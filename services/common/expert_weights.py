@@ -39,7 +39,7 @@ class LayerExperts:
 
     def __init__(self, checkpoint: Checkpoint, cfg: ModelConfig, layer: int):
         self.checkpoint, self.cfg, self.layer = checkpoint, cfg, layer
-        self._stacked = None
+        self._stacked = self._biases = None
 
     def __getitem__(self, e: int) -> ExpertTensors:
         d, i = self.cfg.hidden_size, self.cfg.moe.intermediate_size
@@ -47,18 +47,34 @@ class LayerExperts:
             gate, up, down = self.cfg.expert_tensor_names(self.layer, e)
             w13 = torch.cat((self.checkpoint.get(gate, (i, d)), self.checkpoint.get(up, (i, d)))).float()
             return ExpertTensors(w13, self.checkpoint.get(down, (d, i)).float())
-        gate_up, down, b_gate_up, b_down = self._stacked or self._read_stacked()
+        gate_up, down = self._stacked or self._read_stacked()
         w13 = torch.cat((gate_up[e][:, 0::2].T, gate_up[e][:, 1::2].T)).contiguous()
-        b13 = torch.cat((b_gate_up[e][0::2], b_gate_up[e][1::2]))
-        return ExpertTensors(w13, down[e].T.contiguous(), b13, b_down[e].contiguous())
+        return ExpertTensors(w13, down[e].T.contiguous(), *self.biases(e))
+
+    def biases(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Stacked experts' biases b13 [2I] (gate, then up) and b2 [D], read without the weights."""
+        d, i, n = self.cfg.hidden_size, self.cfg.moe.intermediate_size, self.cfg.moe.num_experts
+        if self._biases is None:
+            gate_up, _, down = self.cfg.expert_tensor_names(self.layer, 0)
+            self._biases = (self.checkpoint.get(gate_up + "_bias", (n, 2 * i)).float(),
+                            self.checkpoint.get(down + "_bias", (n, d)).float())
+        b_gate_up, b_down = self._biases
+        return torch.cat((b_gate_up[e][0::2], b_gate_up[e][1::2])), b_down[e].contiguous()
 
     def _read_stacked(self):
         d, i, n = self.cfg.hidden_size, self.cfg.moe.intermediate_size, self.cfg.moe.num_experts
         gate_up, _, down = self.cfg.expert_tensor_names(self.layer, 0)
-        get = lambda name, shape: self.checkpoint.get(name, shape).float()  # noqa: E731
-        self._stacked = (get(gate_up, (n, d, 2 * i)), get(down, (n, i, d)), get(gate_up + "_bias", (n, 2 * i)),
-                         get(down + "_bias", (n, d)))
+        self._stacked = (self.checkpoint.get(gate_up, (n, d, 2 * i)).float(), self.checkpoint.get(down, (n, i, d)).float())
         return self._stacked
+
+    def stored_bytes(self, e: int) -> int:
+        """What expert e takes in the checkpoint's files (its share of stacked tensors)."""
+        names = self.cfg.expert_tensor_names(self.layer, e)
+        if not self.cfg.moe.stacked:
+            return sum(self.checkpoint.stored_bytes(n) for n in names)
+        gate_up, _, down = names
+        parts = (gate_up, down, gate_up + "_bias", down + "_bias")
+        return sum(self.checkpoint.stored_bytes(n) for n in parts) // self.cfg.moe.num_experts
 
 
 def load_expert_stacks(checkpoint: Checkpoint, cfg: ModelConfig, layer: int) -> ExpertTensors:
@@ -99,18 +115,17 @@ def pack_layer(checkpoint: Checkpoint, cfg: ModelConfig, layer: int, fmt: str, g
     for e, expert in enumerate(names):
         codes = [q if q and q.group == group and (levels is None or list(q.levels) == levels) else None
                  for q in _stored_codes(checkpoint, expert, fmt, d, i, m.stacked, e)]
-        if not all(codes) or m.expert_bias:
+        if not all(codes):
             x = floats[e]
             w13, w2 = x.w13.numpy(), x.w2.numpy()
-            if not all(codes):
-                tandem_native.pack_into(buf, e, w13[None], w2[None], pool)
-            if x.b13 is not None:
-                tandem_native.put_biases(buf, e, x.b13.numpy(), x.b2.numpy())
-            if errors is not None and e % step == 0 and not all(codes):
+            tandem_native.pack_into(buf, e, w13[None], w2[None], pool)
+            if errors is not None and e % step == 0:
                 _add_errors(errors, buf, e, codes, w13, w2)
+        if m.expert_bias:
+            tandem_native.put_biases(buf, e, *(b.numpy() for b in floats.biases(e)))
         _put(buf, e, codes, i)
         if progress:
-            progress(sum(checkpoint.stored_bytes(n) for n in expert))
+            progress(floats.stored_bytes(e))
     return buf
 
 

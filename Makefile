@@ -11,13 +11,14 @@ PROTO_STAMP := tandem/.generated
 .PHONY: test setup native protos serve clean grpc-cpp
 
 # `make serve`: the whole stack on this host (MODEL=dir or file.gguf, GGUF=file, PORT=8000,
-# FORMAT=bf16|int8|int4|int4_asym, DTYPE=float32|bfloat16)
+# FORMAT=bf16|int8|int4|int4_asym, DENSE_FORMAT=float|bf16|int8|int4|int4_asym, DTYPE=float32|bfloat16)
 MODEL ?=
 PORT ?= 8000
 FORMAT ?=
 GGUF ?=
 DTYPE ?=
-SERVE_ARGS := $(if $(MODEL),--model $(MODEL)) $(if $(GGUF),--gguf $(GGUF)) --port $(PORT) $(if $(FORMAT),--format $(FORMAT)) $(if $(DTYPE),--dtype $(DTYPE))
+DENSE_FORMAT ?=
+SERVE_ARGS := $(if $(MODEL),--model $(MODEL)) $(if $(GGUF),--gguf $(GGUF)) --port $(PORT) $(if $(FORMAT),--format $(FORMAT)) $(if $(DTYPE),--dtype $(DTYPE)) $(if $(DENSE_FORMAT),--dense-format $(DENSE_FORMAT))
 
 setup: $(NATIVE_STAMP) $(PROTO_STAMP)
 

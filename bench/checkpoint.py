@@ -5,8 +5,11 @@ time (the tiny test checkpoints are not), and the packed stores `expert_server c
   shape, about 3.6 GB of bf16 safetensors and 1 GB packed in int4. End-to-end decode and startup.
 - "d7168": hidden 7168 (DeepSeek-V3's), 1 layer of 16 tiny experts: what an echo server needs to
   carry DeepSeek-sized activations in transport benchmarks, at almost no size.
+- "mla": a deepseek_v3 with DeepSeek-V3's attention (MLA: 16 heads, q_lora 1536, kv_lora 512, nope
+  128, rope 64, v 128) at hidden 2048, 4 layers of 64 experts top-8 (moe_intermediate 768) and one
+  shared expert: long-context decode through absorbed MLA, about 2.5 GB of bf16.
 
-config.json comes from transformers' Qwen3MoeConfig.save_pretrained; the safetensors are written
+config.json comes from transformers' own config class (Qwen3MoeConfig, DeepseekV3Config) save_pretrained; the safetensors are written
 here, one shard per layer (bf16, seeded normal(0, 0.02), norm weights ones), with the names and
 shapes transformers' save_pretrained would write (its own reverse weight conversion, applied to a
 model on the meta device), plus model.safetensors.index.json. The tokenizer is the tiny trained BPE
@@ -66,11 +69,43 @@ RECIPES: dict[str, dict] = {
         "num_key_value_heads": 2, "head_dim": 128, "num_experts": 16, "num_experts_per_tok": 8,
         "moe_intermediate_size": 64, "intermediate_size": 128,
     },
+    "mla": {
+        "hidden_size": 2048, "num_hidden_layers": 4, "num_attention_heads": 16, "num_key_value_heads": 16,
+        "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+        "v_head_dim": 128, "n_routed_experts": 64, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
+        "n_shared_experts": 1, "first_k_dense_replace": 0, "n_group": 1, "topk_group": 1,
+        "routed_scaling_factor": 2.5, "norm_topk_prob": True, "intermediate_size": 6144,
+        "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "bos_token_id": 0,
+        "eos_token_id": 1, "pad_token_id": 2, "attention_bias": False, "num_mtp_layers": 0,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+        # what llama.cpp's converter reads to route as DeepSeek-V3 does (else it routes with softmax)
+        "scoring_func": "sigmoid", "topk_method": "noaux_tc",
+    },
 }
-# A shrunk copy of the recipe, saved with transformers' own save_pretrained to compare names against.
-_NAMING_PROBE = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-                 "head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
-                 "intermediate_size": 128}  # fmt: skip
+# name -> family for the recipes that are not qwen3_moe; family -> transformers' config and model classes
+FAMILY = {"mla": "deepseek_v3"}
+CLASSES = {"qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+           "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM")}
+# A shrunk copy of each family's recipe, saved with transformers' own save_pretrained to compare names against.
+_NAMING_PROBE = {
+    "qwen3_moe": {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                  "head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+                  "intermediate_size": 128},
+    "deepseek_v3": {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
+                    "q_lora_rank": 32, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
+                    "v_head_dim": 16, "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+                    "intermediate_size": 128},
+}  # fmt: skip
+
+
+def family(name: str) -> str:
+    return FAMILY.get(name, "qwen3_moe")
+
+
+def _class(name: str, which: int):
+    import transformers
+
+    return getattr(transformers, CLASSES[family(name)][which])
 
 
 def progress(what: str) -> None:
@@ -132,6 +167,11 @@ def bench_checkpoint() -> Path:
     return checkpoint("bench")
 
 
+def mla_checkpoint() -> Path:
+    """The 4-layer deepseek_v3 with DeepSeek-V3's attention shape (built on first use)."""
+    return checkpoint("mla")
+
+
 def echo_checkpoint() -> Path:
     """The 1-layer, hidden-7168 checkpoint for echo servers (built on first use)."""
     return checkpoint("d7168")
@@ -140,20 +180,16 @@ def echo_checkpoint() -> Path:
 # ------------------------------------------------------------------ writing
 
 
-def hf_config(kwargs: dict):
-    from transformers import Qwen3MoeConfig
-
-    return Qwen3MoeConfig(**kwargs, architectures=["Qwen3MoeForCausalLM"], dtype="bfloat16")
+def hf_config(name: str, kwargs: dict):
+    return _class(name, 0)(**kwargs, architectures=[CLASSES[family(name)][1]], dtype="bfloat16")
 
 
-def saved_layout(config) -> dict[str, tuple[int, ...]]:
+def saved_layout(name: str, config) -> dict[str, tuple[int, ...]]:
     """Tensor name -> shape, as transformers' save_pretrained writes this config's model: the model's
     state dict on the meta device (no memory), through the same reverse weight conversion
     save_pretrained applies (transformers 5 holds experts fused; checkpoints name them one by one)."""
-    from transformers import Qwen3MoeForCausalLM
-
     with torch.device("meta"):
-        model = Qwen3MoeForCausalLM(config)
+        model = _class(name, 1)(config)
     state = model.state_dict()
     try:
         from transformers.core_model_loading import revert_weight_conversion
@@ -202,9 +238,9 @@ def write_safetensors(layout: dict[str, tuple[int, ...]], out: Path) -> None:
 
 
 def build(name: str, out: Path) -> None:
-    config = hf_config(config_kwargs(name))
+    config = hf_config(name, config_kwargs(name))
     config.save_pretrained(out)
-    write_safetensors(saved_layout(config), out)
+    write_safetensors(saved_layout(name, config), out)
     for file, data in tokenizer_files().items():
         (out / file).write_bytes(data)
 
@@ -254,7 +290,7 @@ def check(path: Path, name: str) -> dict:
     if routed & dense or not all(cfg.is_routed_expert_tensor(n) for n in routed) or any(
             cfg.is_routed_expert_tensor(n) for n in dense):
         raise CheckpointError(f"{path}: the dense side reads routed experts, or is_routed_expert_tensor disagrees")
-    check_naming(config_kwargs(name))
+    check_naming(name, config_kwargs(name))
     vocab = Tokenizer(path).vocab_size
     if vocab > cfg.vocab_size:
         raise CheckpointError(f"{path}: the tokenizer has {vocab} tokens, the model {cfg.vocab_size}")
@@ -262,22 +298,21 @@ def check(path: Path, name: str) -> dict:
             "hidden": d, "experts": cfg.moe.num_experts, "top_k": cfg.moe.top_k, "moe_intermediate": inter}
 
 
-def check_naming(kwargs: dict) -> None:
+def check_naming(name: str, kwargs: dict) -> None:
     """transformers' save_pretrained on a shrunk copy of the recipe writes exactly the names (and
     shapes) that saved_layout gives for that copy."""
     from safetensors import safe_open
-    from transformers import Qwen3MoeForCausalLM
     from transformers.utils import logging as hf_logging
 
     from services.common.errors import CheckpointError
 
     hf_logging.disable_progress_bar()
 
-    config = hf_config({**kwargs, **_NAMING_PROBE})
-    ours = saved_layout(config)
+    config = hf_config(name, {**kwargs, **_NAMING_PROBE[family(name)]})
+    ours = saved_layout(name, config)
     with tempfile.TemporaryDirectory() as tmp:
         torch.manual_seed(0)
-        Qwen3MoeForCausalLM(config).save_pretrained(tmp)
+        _class(name, 1)(config).save_pretrained(tmp)
         theirs = {}
         for file in Path(tmp).glob("*.safetensors"):
             with safe_open(str(file), framework="pt") as f:

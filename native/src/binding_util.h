@@ -5,6 +5,7 @@
 
 #include <string>
 
+#include "dispatch.h"
 #include "moe.h"
 
 namespace tandem {
@@ -13,6 +14,17 @@ namespace py = pybind11;
 
 // The kernel table chosen at import (bindings.cpp).
 const KernelTable& active_kernels();
+
+// A variant by name ("" for the active one).
+inline const KernelTable& table(const std::string& isa) { return isa.empty() ? active_kernels() : kernels_for(isa); }
+
+inline Format parse_format(const std::string& name) {
+    if (name == "bf16") return Format::BF16;
+    if (name == "int8") return Format::INT8;
+    if (name == "int4") return Format::INT4;
+    if (name == "int4_asym") return Format::INT4_ASYM;
+    throw std::invalid_argument("fmt: unknown format '" + name + "' (bf16, int8, int4, int4_asym)");
+}
 
 struct PyLayer {  // a tandem_native.MoeLayer
     py::object owner;  // keeps the buffer alive

@@ -14,6 +14,7 @@
 #include "binding_util.h"
 #include "dispatch.h"
 #include "expert_session.h"
+#include "linear_bindings.h"
 #include "moe.h"
 #include "selfcheck.h"
 
@@ -39,14 +40,6 @@ struct PyJob {
         job->wait();
     }
 };
-
-Format parse_format(const std::string& name) {
-    if (name == "bf16") return Format::BF16;
-    if (name == "int8") return Format::INT8;
-    if (name == "int4") return Format::INT4;
-    if (name == "int4_asym") return Format::INT4_ASYM;
-    throw std::invalid_argument("fmt: unknown format '" + name + "' (bf16, int8, int4, int4_asym)");
-}
 
 // The hidden and intermediate sizes and the group size a format takes; throws naming them.
 void check_dims(Format f, const std::string& fmt, int D, int I, int group) {
@@ -200,8 +193,6 @@ MoeCall make_call(const PyLayer& layer, py::array x, py::array ids, py::array we
                    static_cast<float*>(out.mutable_data()), int(T), int(K)};
 }
 
-const KernelTable& table(const std::string& isa) { return isa.empty() ? *g_active : kernels_for(isa); }
-
 PyJob submit(py::object layer_obj, py::array x, py::array ids, py::array weights, py::array out, py::object pool_obj,
              const std::string& isa) {
     const PyLayer& layer = layer_obj.cast<const PyLayer&>();
@@ -228,6 +219,7 @@ PYBIND11_MODULE(tandem_native, m) {
         if (!warning.empty() && PyErr_WarnEx(PyExc_RuntimeWarning, warning.c_str(), 1) != 0) throw py::error_already_set();
     }
     register_expert_sessions(m);
+    register_linear(m);
 
     m.def("supported_isas", &supported_isas, "ISA variants this CPU runs, best last");
     m.def("active_isa", [] { return std::string(g_active->name); });

@@ -1,5 +1,7 @@
 #include "moe.h"
 
+#include "activations.h"
+
 #include <algorithm>
 #include <array>
 #include <atomic>
@@ -268,17 +270,29 @@ void pack_experts(ThreadPool& pool, const MoeLayerView& v, int e0, int e1, const
                                     ": non-finite value, or a scale beyond fp16's range");
 }
 
-void put_codes(const MoeLayerView& v, int e, bool w2, int row0, int rows, const uint8_t* codes, const uint16_t* scales,
-               const uint16_t* mins) {
-    const Matrix m = w2 ? v.w2(e) : v.w13(e);
-    const int groups = m.cols / m.group;
+void put_matrix_codes(const Matrix& m, int row0, int rows, int cols, const uint8_t* codes, const uint16_t* scales,
+                      const uint16_t* mins) {
+    const int groups = cols / m.group;
     for (int r = 0; r < rows; ++r) {
-        for (int c = 0; c < m.cols; ++c) put_code(m, row0 + r, c, codes[size_t(r) * m.cols + c]);
+        for (int c = 0; c < cols; ++c) put_code(m, row0 + r, c, codes[size_t(r) * cols + c]);
         for (int g = 0; g < groups; ++g) {
             *const_cast<uint16_t*>(int_scale_at(m, row0 + r, g)) = scales[size_t(r) * groups + g];
             if (m.mins) *const_cast<uint16_t*>(int_min_at(m, row0 + r, g)) = mins[size_t(r) * groups + g];
         }
     }
+}
+
+void put_codes(const MoeLayerView& v, int e, bool w2, int row0, int rows, const uint8_t* codes, const uint16_t* scales,
+               const uint16_t* mins) {
+    const Matrix m = w2 ? v.w2(e) : v.w13(e);
+    put_matrix_codes(m, row0, rows, m.cols, codes, scales, mins);
+}
+
+bool pack_rows(const Matrix& m, int r0, int r1, const float* w) {
+    const GroupQuantizer quant(m.format, m.levels);
+    bool ok = true;
+    for (int r = r0; r < r1; ++r) ok &= pack_row(quant, w + size_t(r - r0) * m.cols, m, r);
+    return ok;
 }
 
 void put_biases(const MoeLayerView& v, int e, const float* b13, const float* b2) {
@@ -357,71 +371,6 @@ Plan plan(const MoeCall& c, int num_experts) {
         p.weights[fill[a]++] = c.weights[i];
     }
     return p;
-}
-
-// Weight rows per task: long contiguous runs stream best (up to 256 rows), but keep at least 4
-// tasks per thread so the threads finish together. Always a multiple of the 4-row tile.
-int rows_per_task(int rows, int experts, int threads) {
-    int block = 256;
-    while (block > 32 && experts * ((rows + block - 1) / block) < 4 * threads) block /= 2;
-    return block;
-}
-
-// Activations ready for a variant's matmul: int8 blocks with scales (integer formats) or fp32 rows
-// in the variant's arranged layout (bf16).
-struct Prepared {
-    std::vector<int8_t> q;
-    std::vector<float> s, f;
-    std::vector<int32_t> c;     // int4 only
-    std::vector<int32_t> sums;  // int4_asym only
-
-    Activations view(const int32_t* index, int cols, size_t first_row) const {
-        Activations a;
-        a.cols = cols;
-        a.index = index;
-        if (!q.empty()) {
-            a.q = q.data() + first_row * cols;
-            a.s = s.data() + first_row * (cols / kBlock);
-            if (!c.empty()) a.c = c.data() + first_row * (cols / 8);
-            if (!sums.empty()) a.sums = sums.data() + first_row * (cols / kBlock);
-        } else {
-            a.f = f.data() + first_row * cols;
-        }
-        return a;
-    }
-};
-
-// Builds `rows` rows of `cols` activations: produce(r, tmp) writes fp32 row r into tmp, which is
-// then quantized or arranged. A few rows (decode) run inline: waking the pool would cost more.
-template <typename Produce>
-Prepared prepare(ThreadPool& pool, const KernelTable& k, Format f, int rows, int cols, Produce produce) {
-    const bool quantized = f != Format::BF16;
-    Prepared out;
-    if (quantized) {
-        out.q.resize(size_t(rows) * cols);
-        out.s.resize(size_t(rows) * (cols / kBlock));
-        if (f == Format::INT4) out.c.resize(size_t(rows) * (cols / 8));
-        if (f == Format::INT4_ASYM) out.sums.resize(size_t(rows) * (cols / kBlock));
-    } else {
-        out.f.resize(size_t(rows) * cols);
-    }
-    constexpr int chunk = 8;
-    auto run = [&](int task) {
-        thread_local std::vector<float> tmp;
-        tmp.resize(cols);
-        for (int r = task * chunk; r < std::min(rows, (task + 1) * chunk); ++r) {
-            produce(r, tmp.data());
-            if (!quantized) k.arrange(tmp.data(), cols, out.f.data() + size_t(r) * cols);
-            else k.quantize(tmp.data(), cols, activation_levels(f), out.q.data() + size_t(r) * cols,
-                            out.s.data() + size_t(r) * (cols / kBlock));
-            if (!out.c.empty()) int4_corrections(out.q.data() + size_t(r) * cols, cols, out.c.data() + size_t(r) * (cols / 8));
-            if (!out.sums.empty()) block_sums(out.q.data() + size_t(r) * cols, cols, out.sums.data() + size_t(r) * (cols / kBlock));
-        }
-    };
-    const int tasks = (rows + chunk - 1) / chunk;
-    if (tasks == 1) run(0);
-    else pool.parallel_for(tasks, run);
-    return out;
 }
 
 // Decode: one task per (active expert, block of w2 rows), so each task streams one long run of

@@ -66,6 +66,15 @@ void pack_experts(ThreadPool& pool, const MoeLayerView& layer, int e0, int e1, c
 void put_codes(const MoeLayerView& layer, int e, bool w2, int row0, int rows, const uint8_t* codes,
                const uint16_t* scales, const uint16_t* mins);
 
+// put_codes into any matrix: codes [rows][cols] for its first `cols` columns (a multiple of the
+// group; the rest keep their zeros), scales (and mins) [rows][cols / G].
+void put_matrix_codes(const Matrix& m, int row0, int rows, int cols, const uint8_t* codes, const uint16_t* scales,
+                      const uint16_t* mins);
+
+// Quantizes rows [r0, r1) of m from float32 rows w [r1 - r0][m.cols] on this thread; false on a
+// non-finite value or a scale beyond fp16's range.
+bool pack_rows(const Matrix& m, int r0, int r1, const float* w);
+
 // The float32 values a packed matrix stands for, [R][C] into out (the oracle of imports and tests).
 void dequantize(const Matrix& m, float* out);
 

@@ -20,7 +20,7 @@ from services.common.expert_weights import FORMATS, default_threads
 from services.common.checkpoint import resolve_model
 from services.dense.config import EXPERTS, DenseConfig
 from services.dense.moe.remote import GRPC_CLIENTS, TRANSPORTS, RemoteConfig
-from services.dense.runtime import DTYPES, DenseRuntime
+from services.dense.runtime import DENSE_FORMATS, DTYPES, DenseRuntime
 
 
 def parser() -> argparse.ArgumentParser:
@@ -31,7 +31,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--listen", default="127.0.0.1:50051", help="host:port (port 0: any free port)")
     p.add_argument("--served-model-name", default="", help="the name clients use (default: the directory's)")
     p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda[:N]")
-    p.add_argument("--dtype", choices=list(DTYPES), default="bfloat16")
+    p.add_argument("--dtype", choices=list(DTYPES), default="bfloat16", help="activations, KV cache and float weights")
+    p.add_argument("--dense-format", choices=list(DENSE_FORMATS), default="float",
+                   help="dense linears (attention, shared experts, dense MLPs, lm_head): float (--dtype tensors) or a "
+                        "packed format computed by the native kernels on the CPU")
     p.add_argument("--experts", choices=list(EXPERTS), default="native",
                    help="routed experts: native (C++ kernels here), reference (PyTorch) or remote (expert servers)")
     p.add_argument("--format", choices=list(FORMATS), default="int4", help="expert format with --experts native")
@@ -57,7 +60,7 @@ def config(argv: list[str]) -> DenseConfig:
         addresses = tuple(x for x in (a.expert_servers or "").split(",") if x)
         remote = RemoteConfig(addresses, a.transport, tls_root=a.tls_root, grpc_client=a.grpc_client)
     return DenseConfig(
-        model=resolve_model(a.model, a.gguf), runtime=DenseRuntime(a.dtype, a.device), experts=a.experts, expert_format=a.format,
+        model=resolve_model(a.model, a.gguf), runtime=DenseRuntime(a.dtype, a.device, a.dense_format, a.threads), experts=a.experts, expert_format=a.format,
         threads=a.threads, remote=remote, kv_tokens=a.kv_tokens, kv_memory_fraction=a.kv_memory_fraction,
         block_size=a.block_size, max_batch_tokens=a.max_batch_tokens, max_running=a.max_running,
         max_queue=a.max_queue, listen=a.listen, served_model_name=a.served_model_name,

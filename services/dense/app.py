@@ -25,6 +25,7 @@ from services.dense.kv_cache import bytes_per_token
 from services.dense.loader import load_model, open_checkpoint
 from services.dense.server import DenseServicer, ModelInfo
 from services.dense.tokenizer import Tokenizer
+from services.dense.weights import PACKED_BYTES_PER_WEIGHT
 from tandem.v1 import dense_pb2 as pb
 from tandem.v1 import dense_pb2_grpc as pb_grpc
 
@@ -61,6 +62,11 @@ def _layer(name: str) -> int:
     return int(m[1]) if m else -1
 
 
+def _packed_linear(name: str) -> bool:
+    """A weight --dense-format packs (an estimate: every projection but MLA's kv_b, and lm_head)."""
+    return (name.endswith(".weight") and "_proj" in name and "kv_b_proj" not in name) or name == "lm_head.weight"
+
+
 def check_memory(cfg: DenseConfig) -> None:
     """Prints what loading will take (dense weights on the device, the KV cache when --kv-tokens
     fixes it, in-process experts in host RAM) and refuses, naming the numbers and what to change,
@@ -71,11 +77,14 @@ def check_memory(cfg: DenseConfig) -> None:
     size = torch.empty((), dtype=dtype).element_size()
     loaded = [n for n in checkpoint.names() if _layer(n) < model_cfg.num_layers]
     routed = [n for n in loaded if model_cfg.is_routed_expert_tensor(n)]
-    weights = sum(math.prod(checkpoint.shape(n)) for n in loaded if n not in set(routed) or cfg.experts == "reference") * size
+    dense = [n for n in loaded if n not in set(routed) or cfg.experts == "reference"]
+    packed = PACKED_BYTES_PER_WEIGHT.get(cfg.runtime.weights)
+    weights = sum(math.prod(checkpoint.shape(n)) * (packed if packed and _packed_linear(n) else size) for n in dense)
     kv = cfg.kv_tokens * bytes_per_token(model_cfg, dtype)
     experts = packed_bytes(model_cfg, cfg.expert_format) if cfg.experts == "native" else 0
     gib = 2**30
-    parts = f"{weights / gib:.2f} GiB of weights ({cfg.runtime.dtype})" + (f", {kv / gib:.2f} GiB of KV cache" if kv else "")
+    kinds = cfg.runtime.dtype if cfg.runtime.weights == "float" else f"{cfg.runtime.weights} linears, {cfg.runtime.dtype}"
+    parts = f"{weights / gib:.2f} GiB of weights ({kinds})" + (f", {kv / gib:.2f} GiB of KV cache" if kv else "")
     host = f"{experts / gib:.2f} GiB of {cfg.expert_format} experts in host RAM" if experts else ""
     print(f"dense service: needs {parts} on {device}" + (f", {host}" if host else ""), file=sys.stderr, flush=True)
     needs = {device.type: weights + kv}
@@ -85,8 +94,8 @@ def check_memory(cfg: DenseConfig) -> None:
         if need > free:
             raise ConfigError(
                 f"dense service: needs {need / gib:.2f} GiB on {kind} ({parts}{', ' + host if host and kind == 'cpu' else ''}) "
-                f"but only {free / gib:.2f} GiB is free; use --dtype bfloat16, fewer --kv-tokens, a smaller --format, "
-                "or --experts remote"
+                f"but only {free / gib:.2f} GiB is free; use --dtype bfloat16, fewer --kv-tokens, a smaller --dense-format "
+                "or --format, or --experts remote"
             )
 
 

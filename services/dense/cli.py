@@ -18,7 +18,7 @@ from services.common.checkpoint import resolve_model
 from services.dense.loader import load_model, open_checkpoint
 from services.dense.moe.experts import ExpertBackend
 from services.dense.moe.remote import GRPC_CLIENTS, TRANSPORTS, RemoteConfig, RemoteExperts
-from services.dense.runtime import DenseRuntime
+from services.dense.runtime import DENSE_FORMATS, DTYPES, DenseRuntime
 from services.dense.sampling import SamplingParams
 from services.dense.tokenizer import Tokenizer
 
@@ -46,7 +46,9 @@ def parse_args(argv: list[str] | None = None) -> CliConfig:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--dtype", choices=list(DTYPES), default="float32", help="activations, KV cache and float weights")
+    p.add_argument("--dense-format", choices=list(DENSE_FORMATS), default="float",
+                   help="dense linears: float (--dtype tensors) or a packed format for the native kernels (CPU)")
     p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda[:N]")
     p.add_argument("--experts", choices=["reference", "native", "remote"], default="native")
     p.add_argument("--expert-servers", help="comma-separated HOST:PORT of expert servers (--experts remote)")
@@ -62,7 +64,7 @@ def parse_args(argv: list[str] | None = None) -> CliConfig:
         p.error(f"--threads must be >= 1, got {a.threads}")
     try:
         sampling = SamplingParams(a.temperature, a.top_p, a.top_k, a.seed, a.max_tokens)
-        runtime = DenseRuntime(a.dtype, a.device)
+        runtime = DenseRuntime(a.dtype, a.device, a.dense_format, a.threads)
         remote = None
         if a.experts == "remote":
             addresses = tuple(x for x in (a.expert_servers or "").split(",") if x)

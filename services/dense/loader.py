@@ -9,6 +9,7 @@ from services.common.model_config import ModelConfig, parse_model_config
 from services.dense.models.decoder import MoeDecoder
 from services.dense.moe.experts import ExpertBackend
 from services.dense.moe.reference import TorchExperts
+from services.dense.pool import shared_pool
 from services.dense.runtime import DenseRuntime
 from services.dense.weights import WeightLoader
 
@@ -28,5 +29,6 @@ def load_model(
     checkpoint, cfg = open_checkpoint(model_dir)
     if experts is None:
         experts = TorchExperts(cfg, checkpoint, runtime.torch_dtype, runtime.torch_device)
-    loader = WeightLoader(checkpoint, runtime.torch_dtype, runtime.torch_device)
+    pool = shared_pool(runtime.threads) if runtime.weights != "float" else None
+    loader = WeightLoader(checkpoint, runtime.torch_dtype, runtime.torch_device, runtime.weights, pool)
     return MoeDecoder(cfg, loader, experts), experts

@@ -9,20 +9,32 @@ import torch
 from services.common.errors import ConfigError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# The dense linears' weights: "float" (tensors in the dtype, the reference), or a packed format
+# computed on the CPU by the native kernels (activations stay in the dtype between them).
+DENSE_FORMATS = ("float", "bf16", "int8", "int4", "int4_asym")
 
 
 @dataclass(frozen=True)
 class DenseRuntime:
     dtype: str = "float32"
     device: str = "auto"  # "auto": CUDA when present, else CPU
+    weights: str = "float"  # DENSE_FORMATS
+    threads: int = 1  # native kernel threads of packed dense linears
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.weights not in DENSE_FORMATS:
+            raise ConfigError(f"--dense-format: expected one of {', '.join(DENSE_FORMATS)}, got {self.weights!r}")
+        if self.threads < 1:
+            raise ConfigError(f"--threads: must be >= 1, got {self.threads}")
         if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
             raise ConfigError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ConfigError(f"device {self.device!r} requested but CUDA is not available")
+        if self.weights != "float" and self.torch_device.type != "cpu":
+            raise ConfigError(f"--dense-format {self.weights}: packed dense weights run on the CPU; "
+                              f"on {self.torch_device} use --dense-format float (with --dtype bfloat16)")
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -1,7 +1,7 @@
 """tandem serve: the whole stack on one host (expert server, dense service, gateway), co-located over
 shared memory, each in its own process; ready when all three are healthy; Ctrl-C stops all three.
 
-    tandem serve [--model DIR] [--port 8000] [--format int4] [--dtype float32]
+    tandem serve [--model DIR] [--port 8000] [--format int4] [--dense-format int8] [--dtype float32]
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 from services.common.checkpoint import resolve_model
 from services.common.errors import ConfigError, TandemError
 from services.common.expert_weights import FORMATS, default_threads
-from services.dense.runtime import DTYPES
+from services.dense.runtime import DENSE_FORMATS, DTYPES
 from services.launcher.processes import Stack
 
 
@@ -32,26 +32,39 @@ class LaunchConfig:
     port: int = 8000
     format: str = "int4"
     dtype: str = "float32"
+    dense_format: str = "float"
     threads: int = 1
     api_key: str | None = None
     served_model_name: str = ""  # "": the model directory's name
     startup_timeout_s: float = 600.0
 
 
-def machine_defaults() -> tuple[str, str]:
-    """(dtype, format): bfloat16 on a GPU; float32 on a CPU (exact, and the small default model is
-    cheap); int4 experts (the smallest, so the most experts fit in RAM)."""
-    return ("bfloat16" if torch.cuda.is_available() else "float32"), "int4"
+@dataclass(frozen=True)
+class Defaults:
+    dtype: str         # the dense path's activations, KV cache and float weights
+    format: str        # routed experts
+    dense_format: str  # dense linears
+    why: str
+
+
+def machine_defaults() -> Defaults:
+    """What runs fastest here (bench/e2e.py measures the combinations): on a GPU bfloat16 with float
+    dense weights and int4 experts; on a CPU the dense linears packed for the native kernels too."""
+    if torch.cuda.is_available():
+        return Defaults("bfloat16", "int4", "float", "a GPU: the dense path in bfloat16 on it")
+    return Defaults("float32", "int4", "int8", "no GPU: dense linears in int8 and experts in int4 on the native "
+                    "kernels, float32 activations between them")
 
 
 # The built-in model's experts are small (0.16 GB in bf16), and bf16 computes what the float model
 # does: its first answer token sits at a near-tie ("The" 25.33 against "L" 25.24) that the integer
-# formats' 8-bit activations tip.
+# formats' 8-bit activations tip. Its dense linears stay float for the same reason.
 DEFAULT_MODEL_FORMAT = "bf16"
+DEFAULT_MODEL_DENSE_FORMAT = "float"
 
 
 def parse(argv: list[str]) -> LaunchConfig:
-    dtype, fmt = machine_defaults()
+    d = machine_defaults()
     p = argparse.ArgumentParser(prog="tandem", description="Tandem: serve a MoE model on one GPU plus a CPU.")
     sub = p.add_subparsers(dest="command", required=True)
     s = sub.add_parser("serve", help="start expert server, dense service and gateway on this host")
@@ -62,16 +75,24 @@ def parse(argv: list[str]) -> LaunchConfig:
     s.add_argument("--host", default="127.0.0.1", help="the gateway's address")
     s.add_argument("--port", type=int, default=8000, help="the gateway's port")
     s.add_argument("--format", choices=list(FORMATS),
-                   help=f"expert format (default here: {fmt}; {DEFAULT_MODEL_FORMAT} for the built-in model)")
-    s.add_argument("--dtype", choices=list(DTYPES), default=dtype, help=f"dense dtype (default here: {dtype})")
-    s.add_argument("--threads", type=int, default=default_threads(), help="expert kernel threads")
+                   help=f"expert format (default here: {d.format}; {DEFAULT_MODEL_FORMAT} for the built-in model)")
+    s.add_argument("--dense-format", choices=list(DENSE_FORMATS),
+                   help=f"dense linears' format (default here: {d.dense_format}; {DEFAULT_MODEL_DENSE_FORMAT} for the "
+                        "built-in model)")
+    s.add_argument("--dtype", choices=list(DTYPES), default=d.dtype, help=f"dense dtype (default here: {d.dtype})")
+    s.add_argument("--threads", type=int, default=default_threads(), help="native kernel threads")
     s.add_argument("--api-key", help="require this bearer key at the gateway")
     a = p.parse_args(argv)
     model = resolve_model(a.model, a.gguf) if a.model is not None or a.gguf is not None else None
     if model is not None and not (model / "config.json").is_file():
         raise ConfigError(f"--model: {a.model} has no config.json (a Hugging Face checkpoint directory is needed)")
-    fmt = a.format or (fmt if model is not None else DEFAULT_MODEL_FORMAT)
-    return LaunchConfig(model, a.host, a.port, fmt, a.dtype, a.threads, a.api_key)
+    fmt = a.format or (d.format if model is not None else DEFAULT_MODEL_FORMAT)
+    dense = a.dense_format or (d.dense_format if model is not None else DEFAULT_MODEL_DENSE_FORMAT)
+    if dense != "float" and torch.cuda.is_available():
+        raise ConfigError(f"--dense-format {dense}: packed dense linears run on the CPU; with a GPU keep float")
+    print(f"tandem: defaults on this machine: --dtype {d.dtype} --dense-format {d.dense_format} --format {d.format} "
+          f"({d.why})", flush=True)
+    return LaunchConfig(model, a.host, a.port, fmt, a.dtype, dense, a.threads, a.api_key)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -84,8 +105,8 @@ def main(argv: list[str] | None = None) -> int:
         from services.launcher.default_model import DESCRIPTION, default_model
 
         print(f"tandem: using the built-in default model, {DESCRIPTION}", flush=True)
-        cfg = LaunchConfig(default_model(), cfg.host, cfg.port, cfg.format, cfg.dtype, cfg.threads, cfg.api_key,
-                           served_model_name=DEFAULT_NAME)
+        cfg = LaunchConfig(default_model(), cfg.host, cfg.port, cfg.format, cfg.dtype, cfg.dense_format, cfg.threads,
+                           cfg.api_key, served_model_name=DEFAULT_NAME)
     print(f"tandem: {cfg}", flush=True)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -98,7 +98,8 @@ class Stack:
         expert_port = expert.wait_port(timeout, stop)
         wait_until(lambda: grpc_serving(expert_port), expert, timeout, stop)
         dense = self._spawn("dense", "services.dense", [
-            "--model", str(c.model), "--dtype", c.dtype, "--experts", "remote", "--transport", "shm",
+            "--model", str(c.model), "--dtype", c.dtype, "--dense-format", c.dense_format, "--threads", str(c.threads),
+            "--experts", "remote", "--transport", "shm",
             "--expert-servers", f"127.0.0.1:{expert_port}", "--listen", "127.0.0.1:0",
             "--served-model-name", c.served_model_name])
         dense_port = dense.wait_port(timeout, stop)

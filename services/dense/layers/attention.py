@@ -48,9 +48,8 @@ class GQAttention:
     def __init__(self, cfg: ModelConfig, w: WeightLoader, prefix: str, rotary: Rotary):
         a, d = cfg.attention, cfg.hidden_size
         self.a, self.eps, self.rotary = a, cfg.rms_norm_eps, rotary
-        self.q_proj = w.linear(f"{prefix}.q_proj", a.num_heads * a.head_dim, d, a.qkv_bias)
-        self.k_proj = w.linear(f"{prefix}.k_proj", a.num_kv_heads * a.head_dim, d, a.qkv_bias)
-        self.v_proj = w.linear(f"{prefix}.v_proj", a.num_kv_heads * a.head_dim, d, a.qkv_bias)
+        self.sizes = [a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.num_kv_heads * a.head_dim]
+        self.qkv_proj = w.linears([f"{prefix}.{n}" for n in ("q_proj", "k_proj", "v_proj")], self.sizes, d, a.qkv_bias)
         self.o_proj = w.linear(f"{prefix}.o_proj", d, a.num_heads * a.head_dim, a.o_bias)
         if a.qk_norm:
             whole = a.qk_norm == "all"  # over the whole projection, else over each head
@@ -61,7 +60,7 @@ class GQAttention:
     def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [T, D] -> q [T, H, Dh], k and v [T, Hkv, Dh], q and k normed as the family does."""
         a, t = self.a, x.shape[0]
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
         if a.qk_norm == "all":
             q, k = rms_norm(q, self.q_norm, self.eps), rms_norm(k, self.k_norm, self.eps)
         q, k = q.view(t, a.num_heads, a.head_dim), k.view(t, a.num_kv_heads, a.head_dim)
@@ -87,28 +86,30 @@ class MLAttention:
         a, d = cfg.attention, cfg.hidden_size
         self.a, self.eps, self.rotary = a, cfg.rms_norm_eps, rotary
         q_out = a.num_heads * a.head_dim
-        if a.q_lora_rank is None:
-            self.q_proj = w.linear(f"{prefix}.q_proj", q_out, d)
-        else:
-            self.q_a_proj = w.linear(f"{prefix}.q_a_proj", a.q_lora_rank, d, a.qkv_bias)
+        # x's projections as one linear: the query's (q_proj, or q_a_proj of a low-rank query) and kv_a's
+        kv_a = a.kv_lora_rank + a.qk_rope_head_dim
+        q_first = q_out if a.q_lora_rank is None else a.q_lora_rank
+        self.sizes = [q_first, kv_a]
+        q_name = "q_proj" if a.q_lora_rank is None else "q_a_proj"
+        self.x_proj = w.linears([f"{prefix}.{q_name}", f"{prefix}.kv_a_proj_with_mqa"], self.sizes, d, a.qkv_bias)
+        if a.q_lora_rank is not None:
             self.q_a_layernorm = w.norm(f"{prefix}.q_a_layernorm", a.q_lora_rank)
             self.q_b_proj = w.linear(f"{prefix}.q_b_proj", q_out, a.q_lora_rank)
-        self.kv_a_proj = w.linear(f"{prefix}.kv_a_proj_with_mqa", a.kv_lora_rank + a.qk_rope_head_dim, d, a.qkv_bias)
         self.kv_a_layernorm = w.norm(f"{prefix}.kv_a_layernorm", a.kv_lora_rank)
-        self.kv_b_proj = w.linear(f"{prefix}.kv_b_proj", a.num_heads * (a.qk_nope_head_dim + a.v_head_dim), a.kv_lora_rank)
+        # kept as a tensor: absorbed attention folds its two parts into the query and the output
+        self.kv_b_proj = w.float_linear(f"{prefix}.kv_b_proj", a.num_heads * (a.qk_nope_head_dim + a.v_head_dim),
+                                        a.kv_lora_rank)
         self._kv_b = None  # kv_b_proj's weight as key and value parts, for absorbed attention
         self.o_proj = w.linear(f"{prefix}.o_proj", d, a.num_heads * a.v_head_dim, a.o_bias)
 
-    def _query(self, x: torch.Tensor) -> torch.Tensor:
-        if self.a.q_lora_rank is None:
-            return self.q_proj(x)
-        return self.q_b_proj(rms_norm(self.q_a_proj(x), self.q_a_layernorm, self.eps))
-
     def __call__(self, x: torch.Tensor, cos_sin, segments: list[Segment]) -> torch.Tensor:
         a, t = self.a, x.shape[0]
-        q = self._query(x).view(t, a.num_heads, a.head_dim)
+        q, kv_a = self.x_proj(x).split(self.sizes, dim=-1)
+        if a.q_lora_rank is not None:
+            q = self.q_b_proj(rms_norm(q, self.q_a_layernorm, self.eps))
+        q = q.reshape(t, a.num_heads, a.head_dim)
         q_nope, q_rot = q.split([a.qk_nope_head_dim, a.qk_rope_head_dim], dim=-1)
-        latent, k_rot = self.kv_a_proj(x).split([a.kv_lora_rank, a.qk_rope_head_dim], dim=-1)  # [T, C], [T, R]
+        latent, k_rot = kv_a.split([a.kv_lora_rank, a.qk_rope_head_dim], dim=-1)  # [T, C], [T, R]
         latent = rms_norm(latent, self.kv_a_layernorm, self.eps)
         q = torch.cat((q_nope, self.rotary.apply(q_rot, *cos_sin)), dim=-1)
         k_rot = self.rotary.apply(k_rot[:, None, :], *cos_sin)[:, 0]

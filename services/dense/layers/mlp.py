@@ -5,14 +5,15 @@ from services.dense.weights import WeightLoader
 
 
 class GatedMLP:
-    """down(silu(gate(x)) * up(x)): dense layers and shared experts."""
+    """down(silu(gate(x)) * up(x)): dense layers and shared experts; gate and up as one linear."""
 
     def __init__(self, w: WeightLoader, prefix: str, hidden: int, intermediate: int, bias: bool = False,
                  names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")):
         gate, up, down = names
-        self.gate = w.linear(f"{prefix}.{gate}", intermediate, hidden, bias)
-        self.up = w.linear(f"{prefix}.{up}", intermediate, hidden, bias)
+        self.intermediate = intermediate
+        self.gate_up = w.linears([f"{prefix}.{gate}", f"{prefix}.{up}"], [intermediate, intermediate], hidden, bias)
         self.down = w.linear(f"{prefix}.{down}", hidden, intermediate, bias)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [T, D] -> [T, D]
-        return self.down(F.silu(self.gate(x)) * self.up(x))
+        gate, up = self.gate_up(x).split(self.intermediate, dim=-1)
+        return self.down(F.silu(gate) * up)

@@ -20,7 +20,7 @@ from services.dense.layers.norm import rms_norm
 from services.dense.layers.rope import Rotary
 from services.dense.moe.block import MoeBlock
 from services.dense.moe.experts import ExpertBackend
-from services.dense.weights import WeightLoader, linear
+from services.dense.weights import Linear, WeightLoader
 
 
 @dataclass
@@ -58,7 +58,10 @@ class MoeDecoder:
         self.layers = [DecoderLayer(cfg, w, i, self.rotary, experts) for i in range(cfg.num_layers)]
         self.norm = w.norm("model.norm", d)
         tied = cfg.tie_word_embeddings and "lm_head.weight" not in w.checkpoint
-        self.lm_head = self.embed if tied else w.tensor("lm_head.weight", (v, d))
+        if tied and w.weights == "float":
+            self.lm_head = Linear(self.embed)
+        else:
+            self.lm_head = w.linear("model.embed_tokens" if tied else "lm_head", v, d)
 
     def new_cache(self, capacity: int) -> SequenceKV:
         return SequenceKV(self.cfg, capacity, self.dtype, self.device)
@@ -90,7 +93,7 @@ class MoeDecoder:
         for c in chunks:
             c.cache.commit(len(c.tokens))
         h = h[torch.tensor(logit_rows, dtype=torch.long, device=self.device)]
-        return linear(rms_norm(h, self.norm, self.cfg.rms_norm_eps), self.lm_head).float()
+        return self.lm_head(rms_norm(h, self.norm, self.cfg.rms_norm_eps)).float()
 
     def _mask(self, positions: torch.Tensor, length: int, window: int | None) -> torch.Tensor:
         """[T, S] bool: causal, and inside the sliding window when the layer has one."""

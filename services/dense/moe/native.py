@@ -14,6 +14,7 @@ from services.common.errors import ExpertBackendError
 from services.common.expert_weights import pack_layer
 from services.common.model_config import ModelConfig
 from services.dense.moe.experts import ExpertBackend
+from services.dense.pool import shared_pool
 
 
 class NativeExperts(ExpertBackend):
@@ -21,7 +22,7 @@ class NativeExperts(ExpertBackend):
         import tandem_native
 
         self._tn = tandem_native
-        self.pool = tandem_native.ThreadPool(threads)
+        self.pool = shared_pool(threads)
         self.layers = {
             layer: tandem_native.MoeLayer(pack_layer(checkpoint, cfg, layer, fmt, group_size, self.pool))
             for layer in range(cfg.num_layers)

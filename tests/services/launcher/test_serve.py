@@ -8,10 +8,10 @@ import pytest
 
 from gateway.chat_template import render
 from services.dense.generate import generate
-from services.dense.loader import open_checkpoint
+from services.dense.loader import load_model, open_checkpoint
+from services.dense.runtime import DenseRuntime
 from services.dense.sampling import SamplingParams
 from services.dense.tokenizer import Tokenizer
-from tests.conftest import load_fp32
 from tests.random_model import random_model
 from tests.services.launcher.launch import serve
 
@@ -23,12 +23,15 @@ MESSAGES = [{"role": "user", "content": "Tell me about experts."}]
 
 
 def reference_text(path, fmt: str, max_tokens: int) -> str:
+    """In process, with the dense format `tandem serve` picks on this machine (float32 activations)."""
     from services.dense.moe.native import NativeExperts
+    from services.launcher.__main__ import machine_defaults
 
     tok = Tokenizer(path)
     prompt = tok.encode(render(tok.chat_template, MESSAGES, "<|bos|>", "<|eos|>"), add_special_tokens=False)
     ckpt, cfg = open_checkpoint(path)
-    model, _ = load_fp32(path, NativeExperts(cfg, ckpt, fmt, threads=2))
+    runtime = DenseRuntime("float32", "cpu", machine_defaults().dense_format, threads=2)
+    model, _ = load_model(path, runtime, NativeExperts(cfg, ckpt, fmt, threads=2))
     return generate(model, prompt, SamplingParams(temperature=0, max_tokens=max_tokens), tok.eos_token_ids, tok).text
 
 

@@ -1,0 +1,78 @@
+// What the fused MoE call and the dense linears share: activations prepared for a variant's
+// matmul, and how weight rows are split into tasks (internal to the native module).
+#pragma once
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "pool.h"
+#include "tandem/kernels.h"
+
+namespace tandem {
+
+// Weight rows per task: long contiguous runs stream best (up to 256 rows), but keep at least 4
+// tasks per thread so the threads finish together. Always a multiple of the 4-row tile.
+inline int rows_per_task(int rows, int experts, int threads) {
+    int block = 256;
+    while (block > 32 && experts * ((rows + block - 1) / block) < 4 * threads) block /= 2;
+    return block;
+}
+
+// Activations ready for a variant's matmul: int8 blocks with scales (integer formats) or fp32 rows
+// in the variant's arranged layout (bf16).
+struct Prepared {
+    std::vector<int8_t> q;
+    std::vector<float> s, f;
+    std::vector<int32_t> c;     // int4 only
+    std::vector<int32_t> sums;  // int4_asym only
+
+    Activations view(const int32_t* index, int cols, size_t first_row) const {
+        Activations a;
+        a.cols = cols;
+        a.index = index;
+        if (!q.empty()) {
+            a.q = q.data() + first_row * cols;
+            a.s = s.data() + first_row * (cols / kBlock);
+            if (!c.empty()) a.c = c.data() + first_row * (cols / 8);
+            if (!sums.empty()) a.sums = sums.data() + first_row * (cols / kBlock);
+        } else {
+            a.f = f.data() + first_row * cols;
+        }
+        return a;
+    }
+};
+
+// Builds `rows` rows of `cols` activations: produce(r, tmp) writes fp32 row r into tmp, which is
+// then quantized or arranged. A few rows (decode) run inline: waking the pool would cost more.
+template <typename Produce>
+Prepared prepare(ThreadPool& pool, const KernelTable& k, Format f, int rows, int cols, Produce produce) {
+    const bool quantized = f != Format::BF16;
+    Prepared out;
+    if (quantized) {
+        out.q.resize(size_t(rows) * cols);
+        out.s.resize(size_t(rows) * (cols / kBlock));
+        if (f == Format::INT4) out.c.resize(size_t(rows) * (cols / 8));
+        if (f == Format::INT4_ASYM) out.sums.resize(size_t(rows) * (cols / kBlock));
+    } else {
+        out.f.resize(size_t(rows) * cols);
+    }
+    constexpr int chunk = 8;
+    auto run = [&](int task) {
+        thread_local std::vector<float> tmp;
+        tmp.resize(cols);
+        for (int r = task * chunk; r < std::min(rows, (task + 1) * chunk); ++r) {
+            produce(r, tmp.data());
+            if (!quantized) k.arrange(tmp.data(), cols, out.f.data() + size_t(r) * cols);
+            else k.quantize(tmp.data(), cols, activation_levels(f), out.q.data() + size_t(r) * cols,
+                            out.s.data() + size_t(r) * (cols / kBlock));
+            if (!out.c.empty()) int4_corrections(out.q.data() + size_t(r) * cols, cols, out.c.data() + size_t(r) * (cols / 8));
+            if (!out.sums.empty()) block_sums(out.q.data() + size_t(r) * cols, cols, out.sums.data() + size_t(r) * (cols / kBlock));
+        }
+    };
+    const int tasks = (rows + chunk - 1) / chunk;
+    if (tasks == 1) run(0);
+    else pool.parallel_for(tasks, run);
+    return out;
+}
+
+}  // namespace tandem

@@ -1,0 +1,133 @@
+"""Dense linears in packed formats (--dense-format), computed by the native kernels: every family
+against the float reference, stored codes imported as they are, batched == alone."""
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from services.common.checkpoint import Checkpoint, resolve_model
+from services.common.model_config import parse_model_config
+from services.dense.generate import generate
+from services.dense.loader import load_model, open_checkpoint
+from services.dense.models.decoder import MoeDecoder
+from services.dense.moe.reference import TorchExperts
+from services.dense.runtime import DenseRuntime
+from services.dense.sampling import SamplingParams
+from services.dense.tokenizer import Tokenizer
+from services.dense.weights import Linear, PackedLinear, WeightLoader
+from tests.conftest import load_fp32
+from tests.gguf_files import gguf_model, gguf_reference
+from tests.services.dense.test_engine import SHAPES, assert_batched_equals_alone, native
+
+pytest.importorskip("tandem_native")
+pytestmark = pytest.mark.native
+
+TOKENS = torch.arange(10, 50)
+
+
+def packed_model(path, fmt, experts=None):
+    return load_model(path, DenseRuntime("float32", "cpu", fmt, threads=2), experts)[0]
+
+
+class Bf16RoundedLoader(WeightLoader):
+    """The float32 reference fed the bf16-rounded linears the bf16 dense format holds."""
+
+    def linears(self, prefixes, outs, in_features, bias=False):
+        lin = super().linears(prefixes, outs, in_features, bias)
+        return Linear(lin.weight.bfloat16().float(), lin.bias)
+
+
+def rounded_reference(path):
+    checkpoint, cfg = open_checkpoint(path)
+    experts = TorchExperts(cfg, checkpoint, torch.float32, torch.device("cpu"))
+    return MoeDecoder(cfg, Bf16RoundedLoader(checkpoint, torch.float32, torch.device("cpu")), experts)
+
+
+def logits(model):
+    return model.forward(TOKENS, model.new_cache(len(TOKENS)))
+
+
+def relative(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+def test_bf16_dense_weights_give_the_float_reference_on_bf16_rounded_weights(family_checkpoint, prompt_ids):
+    """bf16 dense linears take float32 activations: what is left is the weights' rounding, which
+    the reference fed the same rounded weights shares (greedy tokens identical, logits within 1e-4)."""
+    _, path = family_checkpoint
+    ours, reference = packed_model(path, "bf16"), rounded_reference(path)
+    assert relative(logits(ours), logits(reference)) <= 1e-4
+    eos = Tokenizer(path).eos_token_ids
+    params = SamplingParams(temperature=0, max_tokens=32)
+    assert generate(ours, prompt_ids, params, eos).tokens == generate(reference, prompt_ids, params, eos).tokens
+
+
+def test_int8_dense_weights_stay_near_the_float_reference(family_checkpoint):
+    """int8 weights with 8-bit activations: each linear is within 1% of its float product (see
+    tests/native/test_linear.py), which the tiny random models amplify (a router choice flipped
+    moves a whole token); bounds from the spread over every family (worst: 0.15 error, 0.85 of
+    positions keep their argmax)."""
+    _, path = family_checkpoint
+    exact = logits(load_fp32(path)[0])
+    ours = {fmt: logits(packed_model(path, fmt)) for fmt in ("bf16", "int8")}
+    assert relative(ours["int8"], exact) <= 0.2
+    assert (ours["int8"].argmax(-1) == exact.argmax(-1)).float().mean().item() >= 0.85
+
+
+def test_dense_error_grows_as_bits_shrink():
+    """Summed over every family (one tiny model's error swings with its router flips)."""
+    from tests.checkpoints import FAMILY_CHECKPOINTS, checkpoint
+
+    errors = dict.fromkeys(("bf16", "int8", "int4"), 0.0)
+    for name in FAMILY_CHECKPOINTS:
+        exact = logits(load_fp32(checkpoint(name))[0])
+        for fmt in errors:
+            errors[fmt] += relative(logits(packed_model(checkpoint(name), fmt)), exact) / len(FAMILY_CHECKPOINTS)
+    assert errors["bf16"] < errors["int8"] < errors["int4"] < 0.5, errors
+
+
+def test_every_dense_linear_is_packed_and_only_kv_b_stays_a_tensor(family_checkpoint):
+    _, path = family_checkpoint
+    model = packed_model(path, "int8")
+    layer = model.layers[0]
+    assert isinstance(model.lm_head, PackedLinear)
+    attention = layer.attention
+    if model.cfg.attention.kind == "mla":
+        assert isinstance(attention.x_proj, PackedLinear) and isinstance(attention.kv_b_proj, Linear)
+    else:
+        assert isinstance(attention.qkv_proj, PackedLinear)
+    assert isinstance(attention.o_proj, PackedLinear)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "int8", "int4"])
+def test_greedy_batched_equals_alone_for_every_dense_format(family_checkpoint, fmt):
+    _, path = family_checkpoint
+    model = packed_model(path, fmt, native(path, "int8"))
+    assert_batched_equals_alone(model, path, [SamplingParams(temperature=0, max_tokens=m) for _, m in SHAPES])
+
+
+@pytest.mark.parametrize("qtype, fmt, stored", [("Q8_0", "int8", "int8"), ("Q4_0", "int4", "int4"),
+                                                ("Q4_1", "int4", "int4_asym")])
+def test_stored_gguf_codes_import_into_dense_linears_bit_exact(qtype, fmt, stored):
+    """A Q8_0 / Q4_0 / Q4_1 GGUF's attention and lm_head tensors keep their codes (Q4_1 as int4_asym
+    under an int4 request): each packed linear's weights equal gguf-py's dequantization exactly."""
+    path = resolve_model(gguf_model("qwen3_moe", qtype))
+    ref = load_file(gguf_reference("qwen3_moe", qtype) / "model.safetensors")
+    model = packed_model(path, fmt)
+    attention = model.layers[0].attention
+    assert attention.qkv_proj.packed.format == stored
+    prefix = "model.layers.0.self_attn"
+    want = torch.cat([ref[f"{prefix}.{n}.weight"] for n in ("q_proj", "k_proj", "v_proj")])
+    assert np.array_equal(attention.qkv_proj.packed.dequantize(), want.numpy())
+    assert np.array_equal(attention.o_proj.packed.dequantize(), ref[f"{prefix}.o_proj.weight"].numpy())
+    assert np.array_equal(model.lm_head.packed.dequantize(), ref["lm_head.weight"].numpy())
+
+
+def test_packed_dense_weights_refuse_a_gpu_and_unknown_formats():
+    from services.common.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="--dense-format"):
+        DenseRuntime("float32", "cpu", "int3")
+    with pytest.raises(ConfigError, match="--threads"):
+        DenseRuntime("float32", "cpu", "int8", threads=0)

@@ -14,7 +14,7 @@ rounds taking turns:
 
 llama.cpp is llama-cpp-python 0.3.36 built from its sdist for this CPU in bench/.venv-llama
 (bench/setup_llama.sh, about 12 minutes on 2 cores, once); checkpoints are converted with the
-sdist's own convert_hf_to_gguf.py (its vocabulary check answered "gpt2": the tiny tokenizer is one
+sdist's own convert_hf_to_gguf.py (its vocabulary check answered "gpt-2": the tiny tokenizer is one
 it does not know, and only token ids are timed) and quantized with llama_cpp.llama_model_quantize,
 cached under .cache/bench-models/gguf/.
 
@@ -63,7 +63,7 @@ import runpy, sys
 root = sys.argv[1]
 sys.path[:0] = [root + "/gguf-py", root]
 import conversion.base as base
-base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt2"
+base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
 sys.argv = ["convert_hf_to_gguf.py", sys.argv[2], "--outfile", sys.argv[3], "--outtype", "bf16"]
 runpy.run_path(root + "/convert_hf_to_gguf.py", run_name="__main__")
 """
@@ -137,10 +137,10 @@ def gguf_files(model_dir: Path, types: list[str], threads: int) -> dict[str, Pat
 class LlamaWorker:
     """A llama.cpp model in a child of bench/.venv-llama (bench/_llama_worker.py)."""
 
-    def __init__(self, path: Path, threads: int, context: int):
+    def __init__(self, path: Path, threads: int, context: int, logits_all: bool = False):
         worker = REPO / "bench" / "_llama_worker.py"
-        self.proc = subprocess.Popen([str(llama_python()), str(worker), str(path), str(threads), str(context)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        args = [str(llama_python()), str(worker), str(path), str(threads), str(context)] + (["all"] if logits_all else [])
+        self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         if not json.loads(self.proc.stdout.readline()).get("ready"):
             raise RuntimeError(f"llama.cpp worker for {path} did not start")
 

@@ -9,11 +9,21 @@ PYTHON="${PYTHON:-python3}"
 VERSION=0.3.36
 VENV=.venv-llama
 SDIST=../.cache/llama-cpp
+# On AMX CPUs its AMX int8 path (ggml_backend_amx_mul_mat) segfaults on any batch of 2+ tokens
+# of a q8_0 or q4_0 model (seen on a Sapphire Rapids class Xeon): it is compiled out there, which
+# leaves llama.cpp its AVX-512 VNNI and repacked paths (GCC's explicit -mno-* win over -march=native).
+ARGS="-DGGML_NATIVE=ON"
+if grep -qw amx_int8 /proc/cpuinfo; then
+    NO_AMX="-mno-amx-int8 -mno-amx-tile -mno-amx-bf16"
+    ARGS="$ARGS '-DCMAKE_C_FLAGS=$NO_AMX' '-DCMAKE_CXX_FLAGS=$NO_AMX'"
+fi
 test -x "$VENV/bin/python" || "$PYTHON" -m venv "$VENV"
-if ! "$VENV/bin/python" -c "import llama_cpp" 2>/dev/null; then
-    CMAKE_ARGS="-DGGML_NATIVE=ON" CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
-        "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --no-binary llama-cpp-python \
-        numpy "llama-cpp-python==$VERSION"
+# built again when the flags it was built with (recorded in the venv) differ
+if ! "$VENV/bin/python" -c "import llama_cpp" 2>/dev/null || [ "$(cat "$VENV/.cmake-args" 2>/dev/null)" != "$ARGS" ]; then
+    CMAKE_ARGS="$ARGS" CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
+        "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --no-cache-dir --force-reinstall \
+        --no-binary llama-cpp-python numpy "llama-cpp-python==$VERSION"
+    echo "$ARGS" > "$VENV/.cmake-args"
 fi
 if ! test -f "$SDIST/llama_cpp_python-$VERSION/vendor/llama.cpp/convert_hf_to_gguf.py"; then
     mkdir -p "$SDIST"

@@ -225,11 +225,14 @@ PYBIND11_MODULE(tandem_native, m) {
     m.def("active_isa", [] { return std::string(g_active->name); });
 
     py::class_<ThreadPool>(m, "ThreadPool")
-        .def(py::init([](int threads) {
+        .def(py::init([](int threads, int spin_us) {
                  if (threads < 1) throw std::invalid_argument("threads: must be >= 1, got " + std::to_string(threads));
-                 return std::make_unique<ThreadPool>(threads);
+                 if (spin_us < 0 || spin_us > 100000)
+                     throw std::invalid_argument("spin_us: must be in [0, 100000], got " + std::to_string(spin_us));
+                 return std::make_unique<ThreadPool>(threads, spin_us);
              }),
-             py::arg("threads"))
+             py::arg("threads"), py::arg("spin_us") = 50,
+             "threads workers (the caller of a call counts as one); idle ones spin spin_us, then sleep")
         .def_property_readonly("size", &ThreadPool::size);
 
     py::class_<PyLayer>(m, "MoeLayer")

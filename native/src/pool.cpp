@@ -7,16 +7,18 @@ namespace tandem {
 
 namespace {
 
-constexpr auto kSpin = std::chrono::microseconds(50);
+constexpr auto kJobSpin = std::chrono::microseconds(50);
 
 // Polls `ready` for a short while; true if it came true. Lets a thread catch work that follows
 // closely without the cost of a sleep and wake-up, and still sleep when there is none.
 template <typename Ready>
-bool spin_until(Ready ready) {
-    const auto end = std::chrono::steady_clock::now() + kSpin;
+bool spin_until(Ready ready, std::chrono::microseconds spin = kJobSpin) {
+    const auto end = std::chrono::steady_clock::now() + spin;
     while (std::chrono::steady_clock::now() < end)
-        for (int i = 0; i < 64; ++i)
+        for (int i = 0; i < 64; ++i) {
             if (ready()) return true;
+            __builtin_ia32_pause();  // leaves the core's resources to whatever shares it meanwhile
+        }
     return false;
 }
 
@@ -40,8 +42,9 @@ void Job::wait() {
     if (error_) std::rethrow_exception(error_);
 }
 
-ThreadPool::ThreadPool(int threads) {
+ThreadPool::ThreadPool(int threads, int spin_us) : spin_(spin_us) {
     if (threads < 1) throw std::invalid_argument("threads must be >= 1");
+    if (spin_us < 0) throw std::invalid_argument("spin_us must be >= 0");
     coordinator_ = std::thread([this] { coordinator_loop(); });
     for (int i = 1; i < threads; ++i) helpers_.emplace_back([this] { helper_loop(); });
 }
@@ -77,7 +80,7 @@ void ThreadPool::run(const std::function<void()>& work) {
 void ThreadPool::coordinator_loop() {
     for (;;) {
         std::pair<std::function<void()>, std::shared_ptr<Job>> item;
-        spin_until([&] { return queued_.load() > 0; });  // back-to-back layer calls skip the sleep
+        spin_until([&] { return queued_.load() > 0; }, spin_);  // back-to-back layer calls skip the sleep
         {
             std::unique_lock<std::mutex> lock(mu_);
             jobs_cv_.wait(lock, [&] { return stop_ || !jobs_.empty(); });
@@ -114,7 +117,7 @@ void ThreadPool::run_tasks() {
 void ThreadPool::helper_loop() {
     uint64_t seen = 0;
     for (;;) {
-        spin_until([&] { return generation_.load() != seen; });
+        spin_until([&] { return generation_.load() != seen; }, spin_);
         {
             std::unique_lock<std::mutex> lock(mu_);
             work_cv_.wait(lock, [&] { return stop_ || generation_.load() != seen; });

@@ -1,8 +1,11 @@
 // A persistent worker pool: one coordinator thread runs submitted jobs in order; inside a job,
-// parallel_for spreads tasks over the coordinator and the helper threads. Idle threads spin briefly,
-// then sleep on a condition variable, so no core burns between calls.
+// parallel_for spreads tasks over the coordinator and the helper threads. Idle threads spin for
+// spin_us, then sleep on a condition variable, so no core burns long between calls: a short spin
+// where other processes need the cores between calls, a longer one where this process issues
+// calls a fraction of a millisecond apart (a decode step's layers) and a wake-up each would cost.
 #pragma once
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -31,7 +34,7 @@ private:
 
 class ThreadPool {
 public:
-    explicit ThreadPool(int threads);
+    explicit ThreadPool(int threads, int spin_us = 50);
     ~ThreadPool();
     ThreadPool(const ThreadPool&) = delete;
     ThreadPool& operator=(const ThreadPool&) = delete;
@@ -62,6 +65,7 @@ private:
     bool open_ = false;  // helpers may join the current parallel_for (under mu_)
     std::exception_ptr task_error_;
     std::atomic<bool> failed_{false};  // first exception thrown by a task of the current parallel_for
+    const std::chrono::microseconds spin_;
     std::thread coordinator_;
     std::vector<std::thread> helpers_;
 };

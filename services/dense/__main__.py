@@ -20,6 +20,7 @@ from services.common.expert_weights import FORMATS, default_threads
 from services.common.checkpoint import resolve_model
 from services.dense.config import EXPERTS, DenseConfig
 from services.dense.moe.remote import GRPC_CLIENTS, TRANSPORTS, RemoteConfig
+from services.dense.pool import DECODE_SPIN_US, SHARED_SPIN_US
 from services.dense.runtime import DENSE_FORMATS, DTYPES, DenseRuntime
 
 
@@ -53,6 +54,12 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def runtime(a) -> DenseRuntime:
+    """Remote experts are usually an expert server on the same cores: our idle threads leave it them."""
+    spin = SHARED_SPIN_US if a.experts == "remote" else DECODE_SPIN_US
+    return DenseRuntime(a.dtype, a.device, a.dense_format, a.threads, spin)
+
+
 def config(argv: list[str]) -> DenseConfig:
     a = parser().parse_args(argv)
     remote = None
@@ -60,7 +67,7 @@ def config(argv: list[str]) -> DenseConfig:
         addresses = tuple(x for x in (a.expert_servers or "").split(",") if x)
         remote = RemoteConfig(addresses, a.transport, tls_root=a.tls_root, grpc_client=a.grpc_client)
     return DenseConfig(
-        model=resolve_model(a.model, a.gguf), runtime=DenseRuntime(a.dtype, a.device, a.dense_format, a.threads), experts=a.experts, expert_format=a.format,
+        model=resolve_model(a.model, a.gguf), runtime=runtime(a), experts=a.experts, expert_format=a.format,
         threads=a.threads, remote=remote, kv_tokens=a.kv_tokens, kv_memory_fraction=a.kv_memory_fraction,
         block_size=a.block_size, max_batch_tokens=a.max_batch_tokens, max_running=a.max_running,
         max_queue=a.max_queue, listen=a.listen, served_model_name=a.served_model_name,

@@ -29,6 +29,6 @@ def load_model(
     checkpoint, cfg = open_checkpoint(model_dir)
     if experts is None:
         experts = TorchExperts(cfg, checkpoint, runtime.torch_dtype, runtime.torch_device)
-    pool = shared_pool(runtime.threads) if runtime.weights != "float" else None
+    pool = shared_pool(runtime.threads, runtime.spin_us) if runtime.weights != "float" else None
     loader = WeightLoader(checkpoint, runtime.torch_dtype, runtime.torch_device, runtime.weights, pool)
     return MoeDecoder(cfg, loader, experts), experts

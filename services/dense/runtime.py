@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from services.common.errors import ConfigError
+from services.dense.pool import DECODE_SPIN_US
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # The dense linears' weights: "float" (tensors in the dtype, the reference), or a packed format
@@ -20,6 +21,7 @@ class DenseRuntime:
     device: str = "auto"  # "auto": CUDA when present, else CPU
     weights: str = "float"  # DENSE_FORMATS
     threads: int = 1  # native kernel threads of packed dense linears
+    spin_us: int = DECODE_SPIN_US  # how long their idle threads poll for the next call (services/dense/pool.py)
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -28,6 +30,8 @@ class DenseRuntime:
             raise ConfigError(f"--dense-format: expected one of {', '.join(DENSE_FORMATS)}, got {self.weights!r}")
         if self.threads < 1:
             raise ConfigError(f"--threads: must be >= 1, got {self.threads}")
+        if not 0 <= self.spin_us <= 100_000:
+            raise ConfigError(f"spin_us: must be in [0, 100000], got {self.spin_us}")
         if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
             raise ConfigError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
         if self.device.startswith("cuda") and not torch.cuda.is_available():

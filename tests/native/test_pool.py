@@ -107,3 +107,21 @@ def test_back_to_back_tiny_calls_neither_hang_nor_run_a_task_twice(threads):
     proc = subprocess.run([sys.executable, "-c", _BACK_TO_BACK, str(threads), "20000"], cwd=root, timeout=120,
                           capture_output=True, text=True)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
+
+
+def test_a_pool_with_a_longer_spin_still_sleeps_once_it_is_over(setup):
+    """A decode pool's helpers poll 1 ms for the next call, then sleep like any other's."""
+    _, layer, x, ids, w = setup
+    pool = tn.ThreadPool(2, 1000)
+    tn.moe_forward(layer, x, ids, w, np.zeros_like(x), pool)
+    time.sleep(0.05)
+    before = resource.getrusage(resource.RUSAGE_SELF)
+    time.sleep(0.5)
+    after = resource.getrusage(resource.RUSAGE_SELF)
+    assert (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime) < 0.05
+
+
+def test_a_spin_out_of_range_is_refused():
+    for spin in (-1, 100001):
+        with pytest.raises(ValueError, match="spin_us"):
+            tn.ThreadPool(2, spin)

@@ -18,8 +18,10 @@ from services.dense.layers.rope import Rotary
 from services.dense.weights import WeightLoader
 
 
-# Up to this many new tokens of a sequence, MLA attends over the cached latent directly (absorbed).
+# Up to this many new tokens of a sequence, MLA attends over the cached latent directly (absorbed),
+# and grouped-query attention over the cached heads as they are (_attend_grouped).
 ABSORB_MAX_TOKENS = 16
+GROUPED_MAX_TOKENS = 16
 
 
 def _attend_with_sinks(q, k, v, mask, scale: float, sinks: torch.Tensor) -> torch.Tensor:
@@ -35,8 +37,24 @@ def _attend_with_sinks(q, k, v, mask, scale: float, sinks: torch.Tensor) -> torc
     return torch.einsum("hts,shd->thd", probs.to(v.dtype), v).reshape(q.shape[0], -1)
 
 
+def _attend_grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """_attend for a few new tokens: each key/value head's group of query heads against the cache
+    as it is (torch's own attention repeats every cached key and value per query head first, which
+    costs a decode step more than the attention itself). g = H / Hkv."""
+    t, h, dq = q.shape
+    s, hkv, dv = v.shape
+    g = h // hkv
+    qg = q.view(t, hkv, g, dq).permute(1, 2, 0, 3).reshape(hkv, g * t, dq)  # [Hkv, g * T, Dq]
+    logits = torch.bmm(qg, k.permute(1, 2, 0)) * scale  # [Hkv, g * T, S]
+    logits = logits.masked_fill(~mask.repeat(g, 1), float("-inf"))
+    out = torch.bmm(logits.softmax(dim=-1).to(v.dtype), v.transpose(0, 1))  # [Hkv, g * T, Dv]
+    return out.view(hkv, g, t, dv).permute(2, 0, 1, 3).reshape(t, h * dv)
+
+
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
     """q [T, H, Dq], k [S, Hkv, Dq], v [S, Hkv, Dv], mask [T, S] bool -> [T, H * Dv]."""
+    if q.shape[0] <= GROUPED_MAX_TOKENS:
+        return _attend_grouped(q, k, v, mask, scale)
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale,
         enable_gqa=q.shape[1] != k.shape[1],

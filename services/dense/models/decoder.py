@@ -20,6 +20,7 @@ from services.dense.layers.norm import rms_norm
 from services.dense.layers.rope import Rotary
 from services.dense.moe.block import MoeBlock
 from services.dense.moe.experts import ExpertBackend
+from services.dense.pool import torch_threads
 from services.dense.weights import Linear, WeightLoader
 
 
@@ -48,10 +49,17 @@ class DecoderLayer:
         return h + self.mlp(rms_norm(h, self.post_attention_norm, self.eps))
 
 
+# Up to this many tokens a step is a decode step.
+DECODE_TOKENS = 16
+
+
 class MoeDecoder:
     def __init__(self, cfg: ModelConfig, w: WeightLoader, experts: ExpertBackend):
         d, v = cfg.hidden_size, cfg.vocab_size
         self.cfg, self.dtype, self.device = cfg, w.dtype, w.device
+        # packed dense linears leave torch only small ops at decode: it runs them on one thread, so
+        # that no worker of its own spins against the native pool's helpers on the same cores
+        self.decode_threads = 1 if w.weights != "float" else None
         self.experts = experts
         self.rotary = Rotary(cfg.rope, w.device)
         self.embed = w.tensor("model.embed_tokens.weight", (v, d))
@@ -75,6 +83,13 @@ class MoeDecoder:
     @torch.inference_mode()
     def forward_batch(self, chunks: list["Chunk"], logit_rows: list[int]) -> torch.Tensor:
         """Chunks of several sequences in one step -> logits [R, V] float32 of the batch rows asked."""
+        decode = sum(len(c.tokens) for c in chunks) <= DECODE_TOKENS
+        if self.decode_threads and decode:
+            with torch_threads(self.decode_threads):
+                return self._forward_batch(chunks, logit_rows)
+        return self._forward_batch(chunks, logit_rows)
+
+    def _forward_batch(self, chunks: list["Chunk"], logit_rows: list[int]) -> torch.Tensor:
         tokens = torch.cat([c.tokens for c in chunks]).to(self.device)
         positions = []
         for c in chunks:

@@ -30,6 +30,9 @@ class NativeExperts(ExpertBackend):
         }
 
     def submit(self, layer, x, ids, weights):
+        """With the dense path on the CPU the call runs here and now, on this thread and the pool's
+        helpers (the cores have nothing else to do meanwhile: the shared experts wait for the same
+        pool); with it on a GPU the call is started and the GPU works on while it runs."""
         if layer not in self.layers:
             raise ExpertBackendError(layer, "not a MoE layer of this model")
         x32 = np.ascontiguousarray(x.detach().to("cpu", torch.float32).numpy())  # [T, D]
@@ -37,6 +40,9 @@ class NativeExperts(ExpertBackend):
         w32 = np.ascontiguousarray(weights.detach().to("cpu", torch.float32).numpy())  # [T, K]
         out = np.empty_like(x32)
         try:
+            if x.device.type == "cpu":
+                self._tn.moe_forward(self.layers[layer], x32, ids64, w32, out, self.pool)
+                return None, out, x.dtype, x.device
             job = self._tn.moe_submit(self.layers[layer], x32, ids64, w32, out, self.pool)
         except ValueError as exc:
             raise ExpertBackendError(layer, str(exc)) from exc
@@ -44,5 +50,6 @@ class NativeExperts(ExpertBackend):
 
     def wait(self, handle):
         job, out, dtype, device = handle
-        job.wait()
+        if job is not None:
+            job.wait()
         return torch.from_numpy(out).to(device=device, dtype=dtype)

@@ -131,3 +131,28 @@ def test_packed_dense_weights_refuse_a_gpu_and_unknown_formats():
         DenseRuntime("float32", "cpu", "int3")
     with pytest.raises(ConfigError, match="--threads"):
         DenseRuntime("float32", "cpu", "int8", threads=0)
+
+
+def test_a_decode_step_runs_torch_on_one_thread_and_gives_the_count_back():
+    """With packed linears a decode step's torch ops run on one thread (no torch worker spinning
+    against the native pool's); the process's own setting is back after the step."""
+    from tests.checkpoints import checkpoint
+
+    model = packed_model(checkpoint("qwen3_moe"), "int8")
+    seen = []
+    inner = model._forward_batch
+
+    def spy(*args):
+        seen.append(torch.get_num_threads())
+        return inner(*args)
+
+    model._forward_batch = spy
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        cache = model.new_cache(40)
+        model.forward(TOKENS[:30], cache)
+        model.forward(TOKENS[30:31], cache)
+        assert seen == [2, 1] and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

@@ -76,3 +76,23 @@ def test_absorbed_mla_equals_the_expanded_form_at_every_position(name, monkeypat
         monkeypatch.setattr(attention, "ABSORB_MAX_TOKENS", absorb)
         runs[absorb] = model.forward(tokens, model.new_cache(len(tokens)))
     assert (runs[0] - runs[10**6]).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 16])
+@pytest.mark.parametrize("window", [None, 5])
+def test_grouped_query_attention_of_a_few_tokens_equals_torchs(tokens, window):
+    """Decode's attention over the cached heads as they are against torch's own (which repeats
+    every key and value per query head), causal and in a sliding window."""
+    from services.dense.layers.attention import _attend_grouped
+
+    gen = torch.Generator().manual_seed(tokens)
+    s, h, hkv, d = 40, 8, 2, 16
+    q, k, v = torch.randn(tokens, h, d, generator=gen), torch.randn(s, hkv, d, generator=gen), torch.randn(s, hkv, d, generator=gen)
+    positions = torch.arange(s - tokens, s)
+    keys = torch.arange(s)
+    mask = keys[None, :] <= positions[:, None]
+    if window:
+        mask &= keys[None, :] > positions[:, None] - window
+    theirs = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=0.25, enable_gqa=True)
+    assert (_attend_grouped(q, k, v, mask, 0.25) - theirs.transpose(0, 1).reshape(tokens, -1)).abs().max() <= 1e-5

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -28,7 +29,11 @@ from bench import _machine, _moe_cases as mc
 K = kt_kernel.kt_kernel_ext
 GGML = K.kvcache.ggml_type
 # weight format -> the sizing class that decides how many experts a case holds
-SIZE_CLASS = {"BF16": "bf16", "Q8_0": "int8", "Q4_0": "int4", "RAWINT4": "int4"}
+SIZE_CLASS = {"BF16": "bf16", "Q8_0": "int8", "Q4_0": "int4", "RAWINT4": "int4",
+              "AMXBF16": "bf16", "AMXINT8": "int8", "AMXINT4": "int4"}
+# kt-kernel's AMX-family classes (its best on AMX CPUs; an AVX-512 path on CPUs without AMX), where
+# the installed variant has them
+AMX_CLASSES = {"AMXBF16": "AMXBF16_MOE", "AMXINT8": "AMXInt8_MOE", "AMXINT4": "AMXInt4_MOE"}
 RAWINT4_GROUP = 32
 MAX_LEN = 512  # the most tokens one call passes (kt-kernel sizes its buffers by it)
 
@@ -107,11 +112,25 @@ def rawint4_weights(wl: mc.Workload, experts: int) -> KtWeights:
     return KtWeights(K.moe.AVX2RawInt4_MOE, configure, [t for p in packed for t in p], experts)
 
 
+def amx_weights(wl: mc.Workload, experts: int, name: str) -> KtWeights:
+    """bf16 gate/up/down that the class quantizes to its own format at load (int8 / int4 online,
+    written to and kept in a scratch directory, as KTransformers' AMX backends do)."""
+    tensors = [mc.tile(t.bfloat16(), experts) for t in projections(wl)]
+    scratch = tempfile.mkdtemp(prefix="kt-amx-")
+
+    def configure(c):
+        c.gate_proj, c.up_proj, c.down_proj = (t.data_ptr() for t in tensors)
+        c.save, c.load, c.path = True, False, scratch
+
+    return KtWeights(getattr(K.moe, AMX_CLASSES[name]), configure, tensors, experts)
+
+
 BUILDERS = {
     "BF16": bf16_weights,
     "Q8_0": lambda wl, e: ggml_weights(wl, e, "Q8_0"),
     "Q4_0": lambda wl, e: ggml_weights(wl, e, "Q4_0"),
     "RAWINT4": rawint4_weights,
+    **{name: (lambda wl, e, n=name: amx_weights(wl, e, n)) for name, cls in AMX_CLASSES.items() if hasattr(K.moe, cls)},
 }
 
 
@@ -163,6 +182,9 @@ def trial(wl: mc.Workload, fmt: str, kw: KtWeights, threads: int, timing: mc.Tim
 def format_rows(wl: mc.Workload, fmt: str, threads: list[int], timing: mc.Timing) -> list[dict]:
     """Rows for every thread count, or one saying why there are none; a thread count that fails
     costs only its own rows."""
+    if fmt not in BUILDERS:
+        note = f"{AMX_CLASSES.get(fmt, fmt)}: not in kt-kernel's {kt_kernel.__cpu_variant__} variant"
+        return [mc.failed_row(wl.shape, "kt-kernel", fmt, note)]
     try:
         kw = BUILDERS[fmt](wl, mc.expert_count(wl.shape, SIZE_CLASS[fmt]))
     except (RuntimeError, ValueError, TypeError) as e:  # what pybind11 raises for a bad call
@@ -187,8 +209,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--budget", type=float, default=4.0)
     p.add_argument("--out", type=Path, required=True)
     a = p.parse_args(argv)
-    if not set(a.formats) <= set(BUILDERS):
-        p.error(f"--formats: choose from {','.join(BUILDERS)}")
+    if not set(a.formats) <= set(SIZE_CLASS):
+        p.error(f"--formats: choose from {','.join(SIZE_CLASS)}")
     return a
 
 

@@ -12,6 +12,7 @@ import json
 import sys
 import time
 
+import llama_cpp
 import numpy as np
 from llama_cpp import Llama
 
@@ -21,13 +22,18 @@ def load(path: str, threads: int, ctx: int, logits_all: bool = False) -> Llama:
                  logits_all=logits_all, verbose=False)
 
 
+def last_logits(llm: Llama) -> np.ndarray:
+    """The last evaluated token's logits (without logits_all, Llama.scores is not written)."""
+    return np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(llm.n_vocab(),))
+
+
 def decode(llm: Llama, prompt: list[int], n: int) -> dict:
     llm.reset()
     llm.eval(prompt)
     out = []
     t0 = time.perf_counter()
     for _ in range(n):
-        tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        tok = int(np.argmax(last_logits(llm)))
         out.append(tok)
         llm.eval([tok])
     took = time.perf_counter() - t0

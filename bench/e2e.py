@@ -250,6 +250,12 @@ def med(xs: list[float]) -> float:
     return statistics.median(xs)
 
 
+def rest() -> None:
+    """A pause before each timed run, so that the threads the previous one left polling (ours, or
+    llama.cpp's OpenMP workers) have gone to sleep and take no core from it."""
+    time.sleep(0.5)
+
+
 def run_pairs(cfg: BenchConfig, models: dict) -> list[dict]:
     path = bench_checkpoint()
     files = gguf_files(path, [p[0] for p in PAIRS], cfg.threads)
@@ -263,7 +269,9 @@ def run_pairs(cfg: BenchConfig, models: dict) -> list[dict]:
                 first_llama = (r + PAIRS.index((t, dense, experts))) % 2 == 0
                 for who in (("llama", "tandem") if first_llama else ("tandem", "llama")):
                     runner = theirs if who == "llama" else ours
+                    rest()
                     row[f"{who}_decode"].append(runner.decode(prompt, cfg.decode_tokens))
+                    rest()
                     row[f"{who}_prefill"].append(runner.prefill(long_prompt))
                 progress(f"round {r + 1}: {t} {row['llama_decode'][-1]:.1f} vs {dense}/{experts} "
                          f"{row['tandem_decode'][-1]:.1f} tok/s decode")
@@ -286,9 +294,13 @@ def run_stack(cfg: BenchConfig, models: dict) -> list[dict]:
         stack = TandemStack(path, dense, experts, "float32", cfg.threads)
         inproc, served = [], []
         try:
-            for _ in range(cfg.rounds):
+            for r in range(cfg.rounds):
+                rest()
                 served.append(stack.decode(prompt, cfg.decode_tokens))
+                rest()
                 inproc.append(models[(dense, experts, "float32")].decode(prompt, cfg.decode_tokens))
+                progress(f"stack round {r + 1}: {dense}/{experts} {served[-1]:.1f} through the stack, "
+                         f"{inproc[-1]:.1f} in process")
         finally:
             stack.close()
         rows.append({"dense": dense, "experts": experts, "stack_decode": med(served), "inprocess_decode": med(inproc),
@@ -305,6 +317,7 @@ def run_mla(cfg: BenchConfig) -> dict:
     try:
         for r in range(cfg.rounds):
             for who in (("llama", "tandem") if r % 2 == 0 else ("tandem", "llama")):
+                rest()
                 got[who].append((theirs if who == "llama" else ours).decode(prompt, cfg.decode_tokens))
             progress(f"mla round {r + 1}: q4_0 {got['llama'][-1]:.1f} vs int4/int4 {got['tandem'][-1]:.1f} tok/s")
     finally:
@@ -317,6 +330,7 @@ def run_combos(cfg: BenchConfig, models: dict) -> list[dict]:
     prompt, got = prompt_ids(PROMPT), {c: [] for c in COMBOS}
     for _ in range(cfg.rounds):
         for dense, dtype in COMBOS:
+            rest()
             got[(dense, dtype)].append(models[(dense, "int4", dtype)].decode(prompt, cfg.decode_tokens))
     return [{"dense": d, "experts": "int4", "dtype": t, "decode": med(got[(d, t)]), "samples": got[(d, t)]} for d, t in COMBOS]
 

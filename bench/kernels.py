@@ -36,7 +36,9 @@ from bench._machine import progress
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
 KT_PYTHON = BENCH / ".venv-kt" / "bin" / "python"
-KT_FORMATS = ("BF16", "Q8_0", "Q4_0", "RAWINT4")
+# kt-kernel's AVX2 classes, llamafile's and its AMX-family classes (the worker leaves out those its
+# installed variant lacks; on CPUs without AMX they run its AVX-512 path)
+KT_FORMATS = ("BF16", "Q8_0", "Q4_0", "RAWINT4", "AMXBF16", "AMXINT8", "AMXINT4")
 KT_TIMEOUT_S = 900
 OUR_FORMATS = ("bf16", "int8", "int4", "int4_asym")
 GROUP_SIZE = 32
@@ -338,6 +340,36 @@ def print_table(rows: list[dict], limits: dict, info: dict) -> None:
     print(LEGEND)
 
 
+# our format -> kt-kernel's classes of the nearest format
+KT_NEAREST = {"bf16": ("BF16", "AMXBF16"), "int8": ("Q8_0", "AMXINT8"), "int4": ("Q4_0", "RAWINT4", "AMXINT4"),
+              "int4_asym": ("Q4_0", "RAWINT4", "AMXINT4")}
+
+
+def versus_kt(rows: list[dict]) -> list[dict]:
+    """Per shape, phase and our format: kt-kernel's fastest class of the nearest format (AVX2,
+    llamafile and AMX-family alike, its best thread count) and its time over ours (>= 1: ours is faster)."""
+    ours = [r for r in rows if r["impl"] == "tandem" and "ms" in r]
+    kt = [r for r in rows if r["impl"] == "kt-kernel" and "ms" in r]
+    out = []
+    for r in ours:
+        rivals = [k for k in kt if (k["shape"], k["phase"]) == (r["shape"], r["phase"]) and k["format"] in KT_NEAREST.get(r["format"], ())]
+        if rivals:
+            best = min(rivals, key=lambda k: k["ms"])
+            out.append({"shape": r["shape"], "phase": r["phase"], "format": r["format"], "ms": r["ms"],
+                        "kt_format": best["format"], "kt_ms": best["ms"], "ratio": best["ms"] / r["ms"]})
+    return out
+
+
+def print_versus_kt(pairs: list[dict]) -> None:
+    if not pairs:
+        return
+    print("\nagainst kt-kernel's fastest class of the nearest format (kt ms / ours; >= 1.00: ours is faster)")
+    for p in pairs:
+        flag = "" if p["ratio"] >= 1 else "  SLOWER"
+        print(f"  {p['shape']:>14} {p['phase']:>7} {p['format']:>9} {p['ms']:8.2f} ms | {p['kt_format']:>8} "
+              f"{p['kt_ms']:8.2f} ms | {p['ratio']:5.2f}{flag}")
+
+
 def write_json(path: Path, report: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=1) + "\n")
@@ -365,9 +397,12 @@ def main(argv=None) -> None:
     rows = display_order([with_rates(r, limits) for r in rows + fastest(trials)])
     print_table(rows, limits, info)
     print_duels(duels)
+    pairs = versus_kt(rows)
+    print_versus_kt(pairs)
     kt = {"threads_tried": kt_thread_counts(cfg.threads), "fastest_threads": fastest_threads(rows),
           "trials": [with_rates(r, limits) for r in trials]}  # fmt: skip
-    report = {"machine": info, "quick": cfg.quick, "limits": limits, "rows": rows, "head_to_head": duels}
+    report = {"machine": info, "quick": cfg.quick, "limits": limits, "rows": rows, "head_to_head": duels,
+              "versus_kt": pairs}
     write_json(cfg.out, dict(report, kt_kernel=kt))
 
 

@@ -10,6 +10,7 @@
 
 #include "binding_util.h"
 #include "linear.h"
+#include "ops.h"
 
 namespace tandem {
 
@@ -80,9 +81,22 @@ void linear_forward(const PackedLinear& l, py::array x, py::array out, ThreadPoo
     pool.run([&] { l.forward(pool, k, xp, int(T), yp); });
 }
 
+void py_rms_norm(py::array x, py::array w, float eps, py::array out) {
+    check_array<float>(x, "x", "float32", {-1, -1});
+    const py::ssize_t rows = x.shape(0), cols = x.shape(1);
+    check_array<float>(w, "weight", "float32", {cols});
+    check_array<float>(out, "out", "float32", {rows, cols});
+    if (!out.writeable()) throw std::invalid_argument("out: must be writable");
+    if (!(eps >= 0.f)) throw std::invalid_argument("eps: must be >= 0");
+    rms_norm(static_cast<const float*>(x.data()), static_cast<const float*>(w.data()), int(rows), int(cols), eps,
+             static_cast<float*>(out.mutable_data()));
+}
+
 }  // namespace
 
 void register_linear(py::module_& m) {
+    m.def("rms_norm", &py_rms_norm, py::arg("x"), py::arg("weight"), py::arg("eps"), py::arg("out"),
+          "out [R, C] = x / sqrt(mean(x^2) + eps) * weight, float32 (the dense path's RMSNorm in one call)");
     py::class_<PackedLinear>(m, "Linear", "A dense linear y = x W^T (+ b), W [O, I] packed in an expert format")
         .def(py::init(&make_linear), py::arg("fmt"), py::arg("out_features"), py::arg("in_features"),
              py::arg("group_size") = 32, py::arg("levels") = py::none())

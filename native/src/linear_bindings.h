@@ -1,4 +1,5 @@
-// tandem_native.Linear: a dense linear layer packed for the expert kernels (linear.h).
+// tandem_native.Linear (a dense linear layer packed for the expert kernels, linear.h) and the dense
+// path's fused small steps (ops.h).
 #pragma once
 #include <pybind11/pybind11.h>
 

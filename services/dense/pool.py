@@ -18,8 +18,12 @@ DECODE_SPIN_US = 1000
 SHARED_SPIN_US = 50
 
 
-@functools.cache
 def shared_pool(threads: int, spin_us: int = DECODE_SPIN_US):
+    return _pool(threads, spin_us)  # one key however it is called: two pools would spin against each other
+
+
+@functools.cache
+def _pool(threads: int, spin_us: int):
     import tandem_native
 
     return tandem_native.ThreadPool(threads, spin_us)

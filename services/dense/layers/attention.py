@@ -45,8 +45,8 @@ def _attend_grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
     s, hkv, dv = v.shape
     g = h // hkv
     qg = q.view(t, hkv, g, dq).permute(1, 2, 0, 3).reshape(hkv, g * t, dq)  # [Hkv, g * T, Dq]
-    logits = torch.bmm(qg, k.permute(1, 2, 0)) * scale  # [Hkv, g * T, S]
-    logits = logits.masked_fill(~mask.repeat(g, 1), float("-inf"))
+    logits = (torch.bmm(qg, k.permute(1, 2, 0)) * scale).view(hkv, g, t, s)  # [Hkv, g, T, S]
+    logits = logits.masked_fill(~mask, float("-inf")).view(hkv, g * t, s)
     out = torch.bmm(logits.softmax(dim=-1).to(v.dtype), v.transpose(0, 1))  # [Hkv, g * T, Dv]
     return out.view(hkv, g, t, dv).permute(2, 0, 1, 3).reshape(t, h * dv)
 

@@ -156,3 +156,23 @@ def test_a_decode_step_runs_torch_on_one_thread_and_gives_the_count_back():
         assert seen == [2, 1] and torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+def test_the_dense_linears_and_the_in_process_experts_share_one_pool():
+    """One pool however it is asked for: two would keep helpers spinning against each other."""
+    from tests.checkpoints import checkpoint
+
+    path = checkpoint("qwen3_moe")
+    experts = native(path, "int8")
+    model = packed_model(path, "int8", experts)
+    assert model.lm_head.pool is experts.pool
+
+
+def test_the_native_rms_norm_equals_torchs():
+    from services.dense.layers.norm import rms_norm
+
+    gen = torch.Generator().manual_seed(0)
+    for shape in ((1, 2048), (3, 16, 128), (5, 72)):
+        x, w = torch.randn(shape, generator=gen) * 3, torch.randn(shape[-1], generator=gen)
+        theirs = w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+        assert (rms_norm(x, w, 1e-6) - theirs).abs().max().item() <= 1e-5

@@ -17,6 +17,11 @@ from services.common.expert_weights import DEFAULT_GROUP_SIZE
 
 
 ROW_BLOCK = 4
+# (requested dense format, the format a linear is packed in) -> stored code formats imported as they are
+TAKES = {("int4", "int4"): ("int4", "int4_asym"), ("int4", "int8"): ("int8", "int4", "int4_asym"),
+         ("int4_asym", "int8"): ("int8", "int4", "int4_asym")}
+# lm_head's format under each dense format that is not its own
+OUTPUT_FORMAT = {"int4": "int8", "int4_asym": "int8"}
 # Bytes per weight of each packed format, scales included (group of 32), for memory estimates.
 PACKED_BYTES_PER_WEIGHT = {"bf16": 2.0, "int8": 1.0625, "int4": 0.5625, "int4_asym": 0.625}
 
@@ -59,6 +64,16 @@ class PackedLinear:
         return out if x.dtype == torch.float32 else out.to(x.dtype)
 
 
+@dataclass(frozen=True)
+class PackedLinears:
+    """Packed linears of one input in different formats, their outputs side by side."""
+
+    parts: tuple[PackedLinear, ...]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [M, I] -> [M, sum O]
+        return torch.cat([p(x) for p in self.parts], dim=-1)
+
+
 class WeightLoader:
     """weights: "float" keeps linears as dtype tensors; a packed format ("bf16", "int8", "int4",
     "int4_asym") packs them for the native kernels on `pool`, importing a checkpoint's stored codes
@@ -79,14 +94,36 @@ class WeightLoader:
     def linear(self, prefix: str, out_features: int, in_features: int, bias: bool = False) -> Linear | PackedLinear:
         return self.linears([prefix], [out_features], in_features, bias)
 
-    def linears(self, prefixes: list[str], outs: list[int], in_features: int, bias: bool = False) -> Linear | PackedLinear:
-        """Linears of one input as one: their weights' rows stacked ([sum O, I]), outputs side by side."""
+    def linears(self, prefixes: list[str], outs: list[int], in_features: int, bias: bool = False,
+                fmt: str | None = None) -> Linear | PackedLinear | PackedLinears:
+        """Linears of one input as one: their weights' rows stacked ([sum O, I]), outputs side by side
+        (packed, the runs of parts that get one format each make one native linear)."""
         if self.weights != "float":
-            return PackedLinear(self._pack(prefixes, outs, in_features, bias), self.pool)
+            formats = [fmt or self.part_format(p) for p in prefixes]
+            runs = [(f, [i for i, g in enumerate(formats) if g == f]) for f in dict.fromkeys(formats)]
+            if len(runs) == 1:
+                return PackedLinear(self._pack(prefixes, outs, in_features, bias, formats[0]), self.pool)
+            assert all(ix == list(range(ix[0], ix[-1] + 1)) for _, ix in runs), "parts of one format must be adjacent"
+            return PackedLinears(tuple(PackedLinear(self._pack([prefixes[i] for i in ix], [outs[i] for i in ix], in_features,
+                                                               bias, f), self.pool) for f, ix in runs))
         weights = [self.tensor(f"{p}.weight", (o, in_features)) for p, o in zip(prefixes, outs)]
         biases = [self.tensor(f"{p}.bias", (o,)) for p, o in zip(prefixes, outs)] if bias else None
         join = lambda ts: ts[0] if len(ts) == 1 else torch.cat(ts)  # noqa: E731
         return Linear(join(weights), join(biases) if biases else None)
+
+    def part_format(self, prefix: str) -> str:
+        """A dense linear's packed format: the request's, but under a 4-bit one the key and value
+        projections take int8, as llama.cpp's 4-bit types give them 8 bits in models of 8+ experts
+        (small tensors, and the cache holds their rounding for every later token)."""
+        if self.weights in OUTPUT_FORMAT and prefix.rsplit(".", 1)[-1] in ("k_proj", "v_proj"):
+            return OUTPUT_FORMAT[self.weights]
+        return self.weights
+
+    def output_linear(self, prefix: str, out_features: int, in_features: int) -> Linear | PackedLinear:
+        """lm_head: a 4-bit request packs it in int8 (as llama.cpp's 4-bit types keep output.weight in
+        6 or 8 bits: its logits carry every token's rounding, and a small model's perplexity shows it),
+        unless the checkpoint already stores it in 4-bit codes, which import as they are."""
+        return self.linears([prefix], [out_features], in_features, fmt=OUTPUT_FORMAT.get(self.weights, self.weights))
 
     def float_linear(self, prefix: str, out_features: int, in_features: int, bias: bool = False) -> Linear:
         """A linear kept as dtype tensors whatever the weight format (its weight is used as a tensor)."""
@@ -96,16 +133,16 @@ class WeightLoader:
     def norm(self, prefix: str, size: int) -> torch.Tensor:
         return self.tensor(f"{prefix}.weight", (size,))
 
-    def _pack(self, prefixes: list[str], outs: list[int], in_features: int, bias: bool):
+    def _pack(self, prefixes: list[str], outs: list[int], in_features: int, bias: bool, fmt: str):
         import tandem_native
 
         names = [f"{p}.weight" for p in prefixes]
-        stored = self._stored_codes(names, outs, in_features)
+        stored = self._stored_codes(names, outs, in_features, fmt)
         if stored:
             first = stored[0]
             packed = tandem_native.Linear(first.format, sum(outs), in_features, first.group, list(first.levels) or None)
         else:
-            packed = tandem_native.Linear(self.weights, sum(outs), in_features, DEFAULT_GROUP_SIZE)
+            packed = tandem_native.Linear(fmt, sum(outs), in_features, DEFAULT_GROUP_SIZE)
         row0 = 0
         for i, (name, out) in enumerate(zip(names, outs)):
             if stored:
@@ -120,12 +157,13 @@ class WeightLoader:
             packed.set_bias(np.ascontiguousarray(torch.cat(b).numpy()))
         return packed
 
-    def _stored_codes(self, names: list[str], outs: list[int], in_features: int) -> list | None:
+    def _stored_codes(self, names: list[str], outs: list[int], in_features: int, fmt: str) -> list | None:
         """Every part's stored codes when they are all of one packed format the request keeps (the
-        same group and levels), else None: the weights are quantized from floats."""
-        if self.weights == "bf16":
+        same group and levels), else None: the weights are quantized from floats. An int4 request
+        also takes int4_asym codes; the output's int8 under a 4-bit request takes any."""
+        if fmt == "bf16":
             return None
-        takes = {"int4": ("int4", "int4_asym")}.get(self.weights, (self.weights,))
+        takes = TAKES.get((self.weights, fmt), (fmt,))
         codes = [self.checkpoint.quantized(n, (o, in_features)) for n, o in zip(names, outs)]
         if any(q is None for q in codes):
             return None

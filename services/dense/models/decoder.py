@@ -69,7 +69,7 @@ class MoeDecoder:
         if tied and w.weights == "float":
             self.lm_head = Linear(self.embed)
         else:
-            self.lm_head = w.linear("model.embed_tokens" if tied else "lm_head", v, d)
+            self.lm_head = w.output_linear("model.embed_tokens" if tied else "lm_head", v, d)
 
     def new_cache(self, capacity: int) -> SequenceKV:
         return SequenceKV(self.cfg, capacity, self.dtype, self.device)

@@ -33,8 +33,8 @@ def packed_model(path, fmt, experts=None):
 class Bf16RoundedLoader(WeightLoader):
     """The float32 reference fed the bf16-rounded linears the bf16 dense format holds."""
 
-    def linears(self, prefixes, outs, in_features, bias=False):
-        lin = super().linears(prefixes, outs, in_features, bias)
+    def linears(self, prefixes, outs, in_features, bias=False, fmt=None):
+        lin = super().linears(prefixes, outs, in_features, bias, fmt)
         return Linear(lin.weight.bfloat16().float(), lin.bias)
 
 
@@ -100,6 +100,15 @@ def test_every_dense_linear_is_packed_and_only_kv_b_stays_a_tensor(family_checkp
     assert isinstance(attention.o_proj, PackedLinear)
 
 
+def test_a_4_bit_request_keeps_lm_head_keys_and_values_in_int8_as_llama_cpp_does():
+    from tests.checkpoints import checkpoint
+
+    model = packed_model(checkpoint("qwen3_moe"), "int4")
+    q, kv = model.layers[0].attention.qkv_proj.parts
+    assert (q.packed.format, kv.packed.format, model.lm_head.packed.format) == ("int4", "int8", "int8")
+    assert model.layers[0].attention.o_proj.packed.format == "int4"
+
+
 @pytest.mark.parametrize("fmt", ["bf16", "int8", "int4"])
 def test_greedy_batched_equals_alone_for_every_dense_format(family_checkpoint, fmt):
     _, path = family_checkpoint
@@ -116,10 +125,11 @@ def test_stored_gguf_codes_import_into_dense_linears_bit_exact(qtype, fmt, store
     ref = load_file(gguf_reference("qwen3_moe", qtype) / "model.safetensors")
     model = packed_model(path, fmt)
     attention = model.layers[0].attention
-    assert attention.qkv_proj.packed.format == stored
+    parts = getattr(attention.qkv_proj, "parts", (attention.qkv_proj,))
+    assert {p.packed.format for p in parts} == {stored}
     prefix = "model.layers.0.self_attn"
     want = torch.cat([ref[f"{prefix}.{n}.weight"] for n in ("q_proj", "k_proj", "v_proj")])
-    assert np.array_equal(attention.qkv_proj.packed.dequantize(), want.numpy())
+    assert np.array_equal(np.concatenate([p.packed.dequantize() for p in parts]), want.numpy())
     assert np.array_equal(attention.o_proj.packed.dequantize(), ref[f"{prefix}.o_proj.weight"].numpy())
     assert np.array_equal(model.lm_head.packed.dequantize(), ref["lm_head.weight"].numpy())
 

@@ -2,8 +2,10 @@
 #pragma once
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
 #include <string>
+#include <vector>
 
 #include "dispatch.h"
 #include "moe.h"
@@ -24,6 +26,18 @@ inline Format parse_format(const std::string& name) {
     if (name == "int4") return Format::INT4;
     if (name == "int4_asym") return Format::INT4_ASYM;
     throw std::invalid_argument("fmt: unknown format '" + name + "' (bf16, int8, int4, int4_asym)");
+}
+
+// int4's 16 levels from Python (None: kInt4Levels), checked; only the int4 format takes them.
+inline std::vector<int8_t> parse_levels(const py::object& levels, Format f) {
+    std::vector<int8_t> table(kInt4Levels, kInt4Levels + 16);
+    if (levels.is_none()) return table;
+    if (f != Format::INT4) throw std::invalid_argument("levels: only the int4 format has levels");
+    table = levels.cast<std::vector<int8_t>>();
+    if (table.size() != 16) throw std::invalid_argument("levels: expected 16 values, got " + std::to_string(table.size()));
+    for (int q = 0; q < 15; ++q)
+        if (table[q] >= table[q + 1]) throw std::invalid_argument("levels: must be strictly increasing");
+    return table;
 }
 
 struct PyLayer {  // a tandem_native.MoeLayer

@@ -67,14 +67,7 @@ py::array_t<uint8_t> new_layer(const std::string& fmt, int E, int D, int I, int 
     const ExpertShape shape = parse_shape(activation, alpha, limit, biases);
     if (E < 1) throw std::invalid_argument("experts: must be >= 1, got " + std::to_string(E));
     check_dims(f, fmt, D, I, group);
-    std::vector<int8_t> table(kInt4Levels, kInt4Levels + 16);
-    if (!levels.is_none()) {
-        if (f != Format::INT4) throw std::invalid_argument("levels: only the int4 format has levels");
-        table = levels.cast<std::vector<int8_t>>();
-        if (table.size() != 16) throw std::invalid_argument("levels: expected 16 values, got " + std::to_string(table.size()));
-        for (int q = 0; q < 15; ++q)
-            if (table[q] >= table[q + 1]) throw std::invalid_argument("levels: must be strictly increasing");
-    }
+    const std::vector<int8_t> table = parse_levels(levels, f);
     const int g = f == Format::BF16 ? 0 : group;
     py::array_t<uint8_t> out(py::ssize_t(layer_bytes(f, E, D, I, g, biases)));
     init_layer(f, E, D, I, g, table.data(), shape, out.mutable_data());

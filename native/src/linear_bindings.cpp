@@ -23,14 +23,7 @@ std::unique_ptr<PackedLinear> make_linear(const std::string& fmt, int out, int i
                                     std::to_string(out) + ", " + std::to_string(in));
     if (f != Format::BF16 && (group < kBlock || group % kBlock || group > 4096))
         throw std::invalid_argument("group_size: must be a multiple of 32 (at most 4096), got " + std::to_string(group));
-    std::vector<int8_t> table(kInt4Levels, kInt4Levels + 16);
-    if (!levels.is_none()) {
-        if (f != Format::INT4) throw std::invalid_argument("levels: only the int4 format has levels");
-        table = levels.cast<std::vector<int8_t>>();
-        if (table.size() != 16) throw std::invalid_argument("levels: expected 16 values, got " + std::to_string(table.size()));
-        for (int q = 0; q < 15; ++q)
-            if (table[q] >= table[q + 1]) throw std::invalid_argument("levels: must be strictly increasing");
-    }
+    const std::vector<int8_t> table = parse_levels(levels, f);
     return std::make_unique<PackedLinear>(f, out, in, group, table.data());
 }
 

@@ -64,6 +64,7 @@ class MoeDecoder:
         self.rotary = Rotary(cfg.rope, w.device)
         self.embed = w.tensor("model.embed_tokens.weight", (v, d))
         self.layers = [DecoderLayer(cfg, w, i, self.rotary, experts) for i in range(cfg.num_layers)]
+        self.windows = {layer.window for layer in self.layers}  # the attention spans the layers use
         self.norm = w.norm("model.norm", d)
         tied = cfg.tie_word_embeddings and "lm_head.weight" not in w.checkpoint
         if tied and w.weights == "float":
@@ -96,8 +97,7 @@ class MoeDecoder:
             c.cache.begin(len(c.tokens))
             positions.append(torch.arange(c.cache.start, c.cache.start + len(c.tokens), device=self.device))
         cos_sin = self.rotary.cos_sin(torch.cat(positions), self.dtype)
-        windows = {layer.window for layer in self.layers}
-        masks = {w: [self._mask(p, c.cache.start + len(c.tokens), w) for p, c in zip(positions, chunks)] for w in windows}
+        masks = {w: [self._mask(p, c.cache.start + len(c.tokens), w) for p, c in zip(positions, chunks)] for w in self.windows}
         rows, start = [], 0
         for c in chunks:
             rows.append(slice(start, start + len(c.tokens)))

@@ -26,6 +26,31 @@ struct Prepared {
     std::vector<int32_t> c;     // int4 only
     std::vector<int32_t> sums;  // int4_asym only
 
+    // Rows index[0 .. n) of these `cols`-wide activations as a new contiguous set (padded as prepare pads).
+    Prepared gather(ThreadPool& pool, const int32_t* index, int n, int cols) const {
+        Prepared out;
+        const size_t padded = size_t(n) + kPadRows;
+        auto take = [&](const auto& from, auto& to, size_t width) {
+            to.resize(from.empty() ? 0 : padded * width);
+            return from.empty();
+        };
+        const size_t blocks = cols / kBlock;
+        take(q, out.q, cols), take(s, out.s, blocks), take(c, out.c, cols / 8), take(sums, out.sums, blocks);
+        take(f, out.f, cols);
+        constexpr int chunk = 64;
+        pool.parallel_for((n + chunk - 1) / chunk, [&](int task) {
+            for (int r = task * chunk; r < std::min(n, (task + 1) * chunk); ++r) {
+                const size_t from = size_t(index[r]);
+                auto copy = [&](const auto& src, auto& dst, size_t width) {
+                    if (!src.empty()) std::copy_n(src.data() + from * width, width, dst.data() + size_t(r) * width);
+                };
+                copy(q, out.q, cols), copy(s, out.s, blocks), copy(c, out.c, cols / 8), copy(sums, out.sums, blocks);
+                copy(f, out.f, cols);
+            }
+        });
+        return out;
+    }
+
     Activations view(const int32_t* index, int cols, size_t first_row) const {
         Activations a;
         a.cols = cols;
@@ -42,19 +67,21 @@ struct Prepared {
     }
 };
 
-// Builds `rows` rows of `cols` activations: produce(r, tmp) writes fp32 row r into tmp, which is
+// Builds `rows` rows of `cols` activations (and kPadRows zero rows after them, which a tile kernel
+// may read past the last token of a matrix product): produce(r, tmp) writes fp32 row r into tmp, which is
 // then quantized or arranged. A few rows (decode) run inline: waking the pool would cost more.
 template <typename Produce>
 Prepared prepare(ThreadPool& pool, const KernelTable& k, Format f, int rows, int cols, Produce produce) {
     const bool quantized = f != Format::BF16;
+    const size_t padded = size_t(rows) + kPadRows;
     Prepared out;
     if (quantized) {
-        out.q.resize(size_t(rows) * cols);
-        out.s.resize(size_t(rows) * (cols / kBlock));
-        if (f == Format::INT4) out.c.resize(size_t(rows) * (cols / 8));
-        if (f == Format::INT4_ASYM) out.sums.resize(size_t(rows) * (cols / kBlock));
+        out.q.resize(padded * cols);
+        out.s.resize(padded * (cols / kBlock));
+        if (f == Format::INT4) out.c.resize(padded * (cols / 8));
+        if (f == Format::INT4_ASYM) out.sums.resize(padded * (cols / kBlock));
     } else {
-        out.f.resize(size_t(rows) * cols);
+        out.f.resize(padded * cols);
     }
     constexpr int chunk = 8;
     auto run = [&](int task) {

@@ -411,14 +411,22 @@ void prefetch_rows(const Matrix& m, int r0, int r1) {
     prefetch_range(int_scale_at(m, r0, 0), int_scale_at(m, r1, 0));
 }
 
+// Output columns per prefill task: wide, so each expert's activations are read by few tasks, but
+// at least 4 tasks per thread; a multiple of 32 (the largest tile of rows).
+int columns_per_task(int hidden, int threads) {
+    int columns = 256;
+    while (columns > 32 && (hidden + columns - 1) / columns < 4 * threads) columns /= 2;
+    return columns;
+}
+
 // Prefill: a task owns a block of output columns for every token and runs every expert's rows of
 // that block, accumulating in a fixed order; no [rows, D] intermediate is written.
 void down_by_columns(ThreadPool& pool, const KernelTable& k, const MoeCall& c, const Plan& p, const Prepared& h) {
     const MoeLayerView& L = *c.layer;
     const int D = L.hidden, I = L.intermediate, A = int(p.experts.size());
-    constexpr int kColumns = 32;
-    pool.parallel_for((D + kColumns - 1) / kColumns, [&](int task) {
-        const int r0 = task * kColumns, r1 = std::min(D, r0 + kColumns), width = r1 - r0;
+    const int columns = columns_per_task(D, pool.size());
+    pool.parallel_for((D + columns - 1) / columns, [&](int task) {
+        const int r0 = task * columns, r1 = std::min(D, r0 + columns), width = r1 - r0;
         thread_local std::vector<float> y;
         for (int a = 0; a < A; ++a) {
             if (a + 1 < A) prefetch_rows(L.w2(p.experts[a + 1]), r0, r1);
@@ -450,13 +458,20 @@ void moe_forward(ThreadPool& pool, const KernelTable& k, const MoeCall& c) {
         std::copy(c.x + size_t(r) * D, c.x + size_t(r + 1) * D, row);
     });
 
+    // Prefill: each expert's tokens as contiguous rows, which the tile kernels load as they lie.
+    const bool prefill = c.tokens > kFewTokens;
+    const Prepared grouped = prefill ? x.gather(pool, p.tokens.data(), rows, D) : Prepared{};
+    auto tokens_of = [&](int a) {
+        return prefill ? grouped.view(nullptr, D, p.start[a]) : x.view(p.tokens.data() + p.start[a], D, 0);
+    };
+
     // Phase 1: gate and up projections, [rows, 2I], one task per (active expert, block of w13 rows).
     std::vector<float> hu(size_t(rows) * 2 * I);
     const int up_rows = rows_per_task(2 * I, A, pool.size()), up_blocks = (2 * I + up_rows - 1) / up_rows;
     pool.parallel_for(A * up_blocks, [&](int task) {
         const int a = task / up_blocks, r0 = (task % up_blocks) * up_rows, r1 = std::min(2 * I, r0 + up_rows);
         const int n = p.start[a + 1] - p.start[a];
-        k.matmul[F](L.w13(p.experts[a]), r0, r1, x.view(p.tokens.data() + p.start[a], D, 0), n,
+        k.matmul[F](L.w13(p.experts[a]), r0, r1, tokens_of(a), n,
                     hu.data() + size_t(p.start[a]) * 2 * I + r0, 2 * I);
     });
 
@@ -473,8 +488,8 @@ void moe_forward(ThreadPool& pool, const KernelTable& k, const MoeCall& c) {
     });
 
     // Phase 3: down projections and the weighted sum over each token's experts.
-    if (c.tokens <= kFewTokens) down_by_experts(pool, k, c, p, h);
-    else down_by_columns(pool, k, c, p, h);
+    if (prefill) down_by_columns(pool, k, c, p, h);
+    else down_by_experts(pool, k, c, p, h);
 }
 
 }  // namespace tandem

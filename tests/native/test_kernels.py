@@ -121,14 +121,16 @@ def test_each_variant_needs_the_features_of_the_ones_below_it():
     assert supported == list(ALL_ISAS[: len(supported)])
 
 
-@pytest.mark.parametrize("isa", [i for i in ALL_ISAS if i != "amx"])
+@pytest.mark.parametrize("isa", ALL_ISAS)
 @pytest.mark.parametrize("fmt", list(TOLERANCE))
 def test_a_token_gets_the_same_bits_alone_or_in_any_batch(isa, fmt, packed, pool):
     """Batch invariance: decode (1 token) and prefill (many) paths give each token identical bits,
-    so continuous batching never changes what a request generates. (AMX's tile path for 16+
-    tokens rounds differently and is left out.)"""
+    so continuous batching never changes what a request generates. (AMX's bf16 tiles, for 16+
+    tokens of an expert, round otherwise and are left out; its integer tiles scale as SIMD does.)"""
     if isa not in tn.supported_isas():
         pytest.skip(f"{isa}: not supported by this CPU or build (supported: {tn.supported_isas()})")
+    if (isa, fmt) == ("amx", "bf16"):
+        pytest.skip("AMX bf16 tiles accumulate in their own order")
     rng = np.random.default_rng(5)
     x = rng.standard_normal((40, D), dtype=np.float32)
     ids, weights = random_routing(rng, 40, E, K)

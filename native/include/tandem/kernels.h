@@ -11,7 +11,9 @@ namespace tandem {
 
 // Activations of n tokens for one matrix product: fp32 rows (bf16 weights) or int8 blocks of 32
 // columns with one fp32 scale per block (int8/int4 weights). Token i lives at row index[i] when an
-// index is given, else at row i.
+// index is given, else at row i; then kPadRows rows past the last token can be read (their values
+// are not used), so a tile of 16 tokens loads whole.
+constexpr int kPadRows = 16;
 struct Activations {
     const float* f = nullptr;   // [rows][C]
     const int8_t* q = nullptr;  // [rows][C]

@@ -1,15 +1,18 @@
-// AMX kernels: the prefill matrix products on the tile unit. int8 and int4 weights use tdpbssd
-// (int8 x int8 -> int32), one 32-column block per product, scaled into fp32 accumulators after
-// each; bf16 weights use tdpbf16ps against the hi and lo bf16 parts of x (as avx512_bf16 splits
-// them), accumulating in the tile. Under kAmxMinTokens tokens, for int4_asym weights, and for
-// everything besides the matrix products, the shared SIMD kernels run, compiled here as in the
-// avx512_bf16 variant (int4_asym on the tiles, its minimums added per block after each product,
-// took 165 ms against the SIMD kernel's 93 for a 512-token Qwen3-30B layer on a 2-core Xeon).
-// int8 weights are B operands as packed (format.h: a 32-column block of a 16-row tile is the 16
-// rows' 4-byte column groups interleaved); int4 tiles are expanded to that, and bf16 16-row slabs
-// repacked to it, block by block, into a per-thread buffer.
+// AMX kernels: the prefill matrix products on the tile unit.
+// - int8, int4 and int4_asym weights: tdpbssd (tdpbsud for int4_asym's unsigned codes), one
+//   32-column block per product, whose int32 sums are then scaled into fp32 exactly as the SIMD
+//   kernels scale them, so a token gets the same bits from either (batch invariance). int8 blocks
+//   are B operands as packed (format.h: a 32-column block of a 16-row tile is the 16 rows' 4-byte
+//   column groups interleaved); 4-bit blocks are expanded to that during a slab's first pass.
+// - bf16 weights: tdpbf16ps of the arranged activations (hi and lo bf16 parts of x, as avx512_bf16
+//   splits them) against each 16-column block twice over, accumulating in the tiles; blocks are
+//   transposed into B operands during a slab's first pass.
+// One slab (16 weight rows) meets two token tiles per pass, so each B operand is loaded once for
+// 32 tokens. Under kAmxMinTokens tokens, and for everything besides the matrix products, the shared
+// SIMD kernels run, compiled here as in the avx512_bf16 variant.
 // M tokens per tile (16), N weight rows per tile (16).
 #include <cstring>
+#include <utility>
 
 #include "simd/kernels_impl.h"
 
@@ -23,9 +26,9 @@ namespace {
 constexpr int kTileM = 16;                   // tokens per tile
 constexpr int kTileN = 16;                   // weight rows per tile
 constexpr int kWords = kBlockBytes / 4;      // 4-byte column groups per block
-constexpr int kBTileWords = kWords * kTileN;  // one block of a slab, repacked: [8 words][16 rows]
+constexpr int kBTileWords = kWords * kTileN;  // one int8 block of a slab: [8 words][16 rows]
 constexpr int kAmxMinTokens = 16;            // fewer tokens: the SIMD kernels
-constexpr int kTokenChunk = 64;              // tokens gathered at once; each slab is repacked once per chunk
+constexpr int kTokenChunk = 64;              // tokens per pass over the rows; 4-bit slabs expand once per chunk
 
 // The 64-byte operand of ldtilecfg, palette 1: tile t holds rows[t] rows of colsb[t] bytes.
 struct alignas(64) TileConfig {
@@ -35,12 +38,13 @@ struct alignas(64) TileConfig {
 };
 static_assert(sizeof(TileConfig) == 64, "ldtilecfg reads 64 bytes");
 
-// int8: tmm0 C [16 tokens][16 rows] int32 += tmm1 A [16 tokens][32 columns] int8
-//       . tmm2 B [8 column groups][16 rows][4 columns] int8.
-constexpr TileConfig kInt8Tiles = {1, 0, {}, {kTileN * 4, kBlock, kTileN * 4}, {kTileM, kTileM, kWords}};
-// bf16: tmm0 C [16 tokens][16 rows] fp32 += tmm1 A hi, tmm2 A lo [16 tokens][32 columns] bf16
-//       . tmm3 B [16 column pairs][16 rows][2 columns] bf16.
-constexpr TileConfig kBf16Tiles = {1, 0, {}, {kTileN * 4, 64, 64, kTileN * 4}, {kTileM, kTileM, kTileM, 2 * kWords}};
+// int: tmm0, 1, 6, 7 C [16 tokens][16 rows] int32 += tmm2, 3 A [16 tokens][32 columns] int8
+//      . tmm4, 5 B [8 column groups][16 rows][4 columns] int8 (int4_asym: unsigned codes).
+constexpr TileConfig kIntTiles = {1,
+                                  0,
+                                  {},
+                                  {kTileN * 4, kTileN * 4, kBlock, kBlock, kTileN * 4, kTileN * 4, kTileN * 4, kTileN * 4},
+                                  {kTileM, kTileM, kTileM, kTileM, kWords, kWords, kTileM, kTileM}};
 
 // The tile unit configured for one call (the configuration is per thread); released at the end.
 class TileScope {
@@ -57,159 +61,406 @@ inline void operands_ready() { __asm__ volatile("" ::: "memory"); }
 
 int round_up(int n, int m) { return (n + m - 1) / m * m; }
 
-// bf16 rows r .. r + 15 as B operands: dst[b][j][n] = 32-bit column group j of block b of row
-// r + n. group[g] points at rows r + 4g .. r + 4g + 3 in the packed layout ([blocks][4 rows][32 bytes]).
-void repack_slab(const uint8_t* const* group, int blocks, uint32_t* dst) {
-    for (int b = 0; b < blocks; ++b, dst += kBTileWords)
-        for (int n = 0; n < kTileN; ++n) {
-            uint32_t words[kWords];
-            std::memcpy(words, group[n / kTileRows] + (int64_t(b) * kTileRows + n % kTileRows) * kBlockBytes, kBlockBytes);
-            for (int j = 0; j < kWords; ++j) dst[j * kTileN + n] = words[j];
-        }
-}
-
 // ---------------------------------------------------------------- int8 and int4
 
-// Tokens i0 .. i0 + count - 1 as contiguous rows q [padded][C], s [padded][C / 32]; zero rows after.
-void gather_int8(const Activations& x, int i0, int count, int padded, int8_t* q, float* s) {
+// Tokens i0 .. i0 + count - 1 as contiguous rows q [padded][C], s [padded][C / 32] and, where the
+// activations have them, block sums [padded][C / 32]; zero rows after.
+void gather_int8(const Activations& x, int i0, int count, int padded, int8_t* q, float* s, int32_t* sums) {
     const int blocks = x.cols / kBlock;
-    for (int m = 0; m < padded; ++m, q += x.cols, s += blocks) {
+    for (int m = 0; m < padded; ++m, q += x.cols, s += blocks, sums += x.sums ? blocks : 0) {
         if (m >= count) {
             std::fill(q, q + x.cols, int8_t(0));
             std::fill(s, s + blocks, 0.f);
+            if (x.sums) std::fill(sums, sums + blocks, 0);
             continue;
         }
-        std::copy(x.q + x.row(i0 + m) * x.cols, x.q + (x.row(i0 + m) + 1) * x.cols, q);
-        std::copy(x.s + x.row(i0 + m) * blocks, x.s + (x.row(i0 + m) + 1) * blocks, s);
+        const int64_t row = x.row(i0 + m);
+        std::copy(x.q + row * x.cols, x.q + (row + 1) * x.cols, q);
+        std::copy(x.s + row * blocks, x.s + (row + 1) * blocks, s);
+        if (x.sums) std::copy(x.sums + row * blocks, x.sums + (row + 1) * blocks, sums);
     }
 }
 
-// ws[g][n] = the scale of group g in row r + n (stored in that order, format.h).
-void slab_scales(const Matrix& w, int r, float* ws) {
-    const uint16_t* half = int_scale_at(w, r, 0);
-    for (int i = 0; i < w.cols / w.group * kTileN; ++i) ws[i] = _cvtsh_ss(half[i]);
+// dst[b][n] = the fp16 values at src (a slab's scales or minimums, [groups][16 rows]) as fp32, per
+// 32-column block (a group spans per_group blocks).
+void slab_floats(const uint16_t* src, int blocks, int per_group, float* dst) {
+    for (int b = 0; b < blocks; ++b)
+        _mm512_storeu_ps(dst + b * kTileN, _mm512_cvtph_ps(_mm256_loadu_si256(
+                                               reinterpret_cast<const __m256i*>(src + b / per_group * kTileN))));
 }
 
-// y[m * ldy + n] = dot(slab row n, token m) for m < count, from 16 gathered tokens (q, s), the
-// repacked slab and its scales: per block, one tile product, then its int32 sums scaled into fp32.
-void int8_product(const uint32_t* slab, const float* ws, int per_group, const int8_t* q, const float* s, int cols,
-                  int count, float* y, int ldy) {
-    const int blocks = cols / kBlock;
-    float acc[kTileM][kTileN] = {};
-    alignas(64) int32_t dot[kTileM][kTileN];
-    for (int b = 0; b < blocks; ++b) {
-        _tile_zero(0);
-        _tile_loadd(1, q + b * kBlock, cols);
-        _tile_loadd(2, slab + int64_t(b) * kBTileWords, kTileN * 4);
-        _tile_dpbssd(0, 1, 2);
-        _tile_stored(0, dot, kTileN * 4);
-        const float* wsb = ws + (b / per_group) * kTileN;
-        for (int m = 0; m < kTileM; ++m) {
-            const float xs = s[int64_t(m) * blocks + b];
-            for (int n = 0; n < kTileN; ++n) acc[m][n] += float(dot[m][n]) * (wsb[n] * xs);
+// dst[b][m] = s[m][b] for 16 tokens' block scales s [16][blocks]; with sums (int4_asym), also
+// dst_min[b][m] = s[m][b] * sums[m][b], the factor of the weights' minimums (as min_block has it).
+void transpose_tokens(const float* s, const int32_t* sums, int blocks, float* dst, float* dst_min) {
+    for (int m = 0; m < kTileM; ++m)
+        for (int b = 0; b < blocks; ++b) {
+            const int64_t from = int64_t(m) * blocks + b;
+            dst[b * kTileM + m] = s[from];
+            if (sums) dst_min[b * kTileM + m] = s[from] * float(sums[from]);
         }
+}
+
+// One slab (16 weight rows) against one or two tiles of 16 tokens.
+struct IntOperands {
+    const uint8_t* b;      // [blocks][512 bytes]: each block a B operand (format.h's int8 layout)
+    const float* ws;       // [blocks][16] weight scales
+    const float* wm;       // int4_asym: [blocks][16] minimums; else null
+    const int8_t* q;       // [16 or 32][C] tokens, rows C bytes apart
+    const float* s;        // [tiles][blocks][16] their block scales
+    const float* xmin;     // int4_asym: [tiles][blocks][16] their scales times their block sums
+    int cols;              // C
+    const uint8_t* next;   // the next slab's packed weights, asked for during the first pass; or null
+    int next_step;         // bytes of them to ask for per pair of blocks
+    const uint8_t* packed;  // 4-bit weights: the slab as packed, expanded into b during the first pass
+    __m512i table;          // 4-bit weights: the 16 values of a code (int4 its levels, int4_asym 0-15)
+};
+
+// Blocks b .. b + n - 1 of a 4-bit slab (o.packed) -> format.h's int8 layout in o.b: each step's
+// low nibbles become one int8 step, its high nibbles the next. (A pair of blocks is expanded while
+// the pair before it is computed: a tile load waits for stores just made to reach the cache.)
+inline void expand_blocks(const IntOperands& o, int b, int n) {
+    constexpr int steps = kBlock / 8;  // a step: 8 columns of 16 rows, 64 bytes packed
+    const __m512i mask = _mm512_set1_epi8(0x0f);
+    const auto* in = reinterpret_cast<const __m512i*>(o.packed) + b * steps;
+    auto* out = reinterpret_cast<__m512i*>(const_cast<uint8_t*>(o.b)) + 2 * b * steps;
+    for (int step = 0; step < n * steps; ++step, ++in, out += 2) {
+        const __m512i raw = _mm512_loadu_si512(in);
+        _mm512_storeu_si512(out, _mm512_shuffle_epi8(o.table, _mm512_and_si512(raw, mask)));
+        _mm512_storeu_si512(out + 1, _mm512_shuffle_epi8(o.table, _mm512_and_si512(_mm512_srli_epi16(raw, 4), mask)));
     }
-    for (int m = 0; m < count; ++m) std::copy(acc[m], acc[m] + kTileN, y + int64_t(m) * ldy);
+    operands_ready();
+}
+
+// Block b of the slab into B tile bt, then C tile c = A tile a (token tile t's block b) . B, stored
+// into buf: int8 x int8, or int8 x unsigned codes (int4_asym). The tile intrinsics take register
+// numbers as literals, hence the macros.
+#define TANDEM_LOAD_B(bt) _tile_loadd(bt, o.b + int64_t(b) * kTileN * kBlock, kTileN * 4)
+#define TANDEM_PRODUCT(c, a, bt, t)                                              \
+    do {                                                                         \
+        _tile_zero(c);                                                           \
+        _tile_loadd(a, o.q + int64_t(t) * kTileM * o.cols + b * kBlock, o.cols); \
+        if constexpr (Unsigned) _tile_dpbsud(c, a, bt);                          \
+        else _tile_dpbssd(c, a, bt);                                             \
+        _tile_stored(c, buf[t], kTileN * 4);                                     \
+    } while (0)
+
+// Block b against Tiles token tiles in tile set Set (consecutive blocks alternate between the two,
+// so one block's products run while the other's sums are scaled): set 0 takes B in tmm4 and C in
+// tmm0 (tmm1 for a second token tile), set 1 B in tmm5 and C in tmm6 (tmm7); A is tmm2 (tmm3).
+template <int Set, int Tiles, bool Unsigned>
+inline void block_products(const IntOperands& o, int b, int32_t (*buf)[kTileM * kTileN]) {
+    if constexpr (Set == 0) {
+        TANDEM_LOAD_B(4);
+        TANDEM_PRODUCT(0, 2, 4, 0);
+        if constexpr (Tiles == 2) TANDEM_PRODUCT(1, 3, 4, 1);
+    } else {
+        TANDEM_LOAD_B(5);
+        TANDEM_PRODUCT(6, 2, 5, 0);
+        if constexpr (Tiles == 2) TANDEM_PRODUCT(7, 3, 5, 1);
+    }
+}
+#undef TANDEM_PRODUCT
+#undef TANDEM_LOAD_B
+
+// The tile loads (and the int4 expansion's bursts) are not followed by the hardware prefetchers:
+// while a slab is computed, the next slab's packed weights are asked for into L2, a little per pair
+// of blocks, and an int8 slab's own blocks into L1 a little ahead of their loads.
+constexpr int kNearAhead = 2048;
+inline void prefetch_ahead(const IntOperands& o, int b, bool near) {
+    const char* next = reinterpret_cast<const char*>(o.next) + int64_t(b / 2) * o.next_step;
+    for (int line = 0; line < o.next_step; line += 64) _mm_prefetch(next + line, _MM_HINT_T1);
+    if (!near) return;
+    const char* own = reinterpret_cast<const char*>(o.b) + int64_t(b) * kTileN * kBlock + kNearAhead;
+    for (int line = 0; line < 2 * kTileN * kBlock; line += 64) _mm_prefetch(own + line, _MM_HINT_T0);
+}
+
+// 16 tokens' fp32 sums of one slab's 16 rows.
+struct TileSums {
+    __m512 row[kTileM];
+};
+
+// The tile store intrinsics do not tell the compiler that they write memory: this says buf has
+// changed.
+template <typename Buffer>
+inline void stored(Buffer& buf) {
+    __asm__ volatile("" : "+m"(buf));
+}
+
+// acc.row[m] += the int32 sums of block b in buf (token tile t), scaled as the SIMD kernels scale
+// them (scale_block, then min_block for int4_asym): the same fp32 operations in the same order, so
+// the bits agree.
+template <bool Asym, size_t... M>
+inline void scale_product(const IntOperands& o, int b, int t, const int32_t* buf, TileSums& acc,
+                          std::index_sequence<M...>) {
+    const int64_t at = (int64_t(t) * (o.cols / kBlock) + b) * kTileM;
+    const __m512 ws = _mm512_loadu_ps(o.ws + b * kTileN);
+    const float* xs = o.s + at;
+    ((acc.row[M] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(buf + M * kTileN)),
+                                   _mm512_mul_ps(ws, _mm512_set1_ps(xs[M])), acc.row[M])),
+     ...);
+    if constexpr (Asym) {
+        const __m512 mins = _mm512_loadu_ps(o.wm + b * kTileN);
+        const float* xmin = o.xmin + at;
+        ((acc.row[M] = _mm512_fmadd_ps(mins, _mm512_set1_ps(xmin[M]), acc.row[M])), ...);
+    }
+}
+
+template <int Tiles, bool Asym>
+inline void scale_products(const IntOperands& o, int b, int32_t (*buf)[kTileM * kTileN], TileSums* acc) {
+    constexpr auto rows = std::make_index_sequence<kTileM>{};
+    for (int t = 0; t < Tiles; ++t) scale_product<Asym>(o, b, t, buf[t], acc[t], rows);
+}
+
+// y[m * ldy + n] = dot(slab row n, token m) for m < count (count <= 16 * Tiles): each block's B
+// operand loaded once for both token tiles.
+template <int Tiles, bool Unsigned>
+void int_product(const IntOperands& o, int count, float* y, int ldy) {
+    const int blocks = o.cols / kBlock;
+    alignas(64) int32_t buf[2][Tiles][kTileM * kTileN];
+    TileSums acc[Tiles];
+    for (auto& tile : acc)
+        for (auto& a : tile.row) a = _mm512_setzero_ps();
+    if (o.packed) expand_blocks(o, 0, std::min(2, blocks));  // then each pair expands the next one
+    int b = 0;
+    for (; b + 2 <= blocks; b += 2) {
+        if (o.next) prefetch_ahead(o, b, !o.packed);
+        if (o.packed) expand_blocks(o, b + 2, std::min(2, blocks - b - 2));
+        block_products<0, Tiles, Unsigned>(o, b, buf[0]);
+        block_products<1, Tiles, Unsigned>(o, b + 1, buf[1]);
+        stored(buf);
+        scale_products<Tiles, Unsigned>(o, b, buf[0], acc);
+        scale_products<Tiles, Unsigned>(o, b + 1, buf[1], acc);
+    }
+    if (b < blocks) {
+        block_products<0, Tiles, Unsigned>(o, b, buf[0]);
+        stored(buf);
+        scale_products<Tiles, Unsigned>(o, b, buf[0], acc);
+    }
+    for (int m = 0; m < count; ++m) _mm512_storeu_ps(y + int64_t(m) * ldy, acc[m / kTileM].row[m % kTileM]);
+}
+
+// int_product for the tokens of one chunk from m0: two token tiles at a time, then one.
+template <bool Unsigned>
+void chunk_products(IntOperands o, int m0, int count, float* y, int ldy) {
+    const int blocks = o.cols / kBlock;
+    const int8_t* q = o.q;
+    const float* s = o.s;
+    const float* xmin = o.xmin;
+    for (; m0 < count; m0 += 2 * kTileM) {
+        o.q = q + int64_t(m0) * o.cols;
+        o.s = s + int64_t(m0) * blocks;
+        o.xmin = xmin ? xmin + int64_t(m0) * blocks : nullptr;
+        float* ym = y + int64_t(m0) * ldy;
+        if (count - m0 > kTileM) int_product<2, Unsigned>(o, std::min(2 * kTileM, count - m0), ym, ldy);
+        else int_product<1, Unsigned>(o, count - m0, ym, ldy);
+        o.next = nullptr, o.packed = nullptr;
+    }
 }
 
 void matmul_int_simd(const Matrix& w, int r0, int r1, const Activations& x, int n, float* y, int ldy) {
     if (w.format == Format::INT4) matmul_int4(w, r0, r1, x, n, y, ldy);
+    else if (w.format == Format::INT4_ASYM) matmul_int4_asym(w, r0, r1, x, n, y, ldy);
     else matmul_int8(w, r0, r1, x, n, y, ldy);
 }
 
-// int8 or int4 weights (int4 tiles expanded to int8 first); calls with few tokens go to the SIMD
-// kernels. r0 and r1 are multiples of the 16-row tile (format.h), which is a slab.
+// int8, int4 and int4_asym weights (4-bit tiles expanded to the int8 layout first: int4 to its
+// levels, int4_asym to its codes); calls with few tokens go to the SIMD kernels. r0 and r1 are
+// multiples of the 16-row tile (format.h), which is a slab.
 void matmul_int_tiles(const Matrix& w, int r0, int r1, const Activations& x, int n, float* y, int ldy) {
     static_assert(kIntTileRows == kTileN, "an int tile is one B operand slab");
     if (n < kAmxMinTokens) return matmul_int_simd(w, r0, r1, x, n, y, ldy);
-    const bool int4 = w.format == Format::INT4;
-    const int cols = w.cols, blocks = cols / kBlock;
+    const bool asym = w.format == Format::INT4_ASYM, expand = w.format != Format::INT8;
+    const int cols = w.cols, blocks = cols / kBlock, tiles = kTokenChunk / kTileM;
     thread_local std::vector<int8_t> q;
-    thread_local std::vector<float> s, ws;
+    thread_local std::vector<float> s, ws, wm, st;
+    thread_local std::vector<float> xmin;
+    thread_local std::vector<int32_t> sums;
     thread_local std::vector<uint32_t> expanded;
-    q.resize(size_t(kTokenChunk) * cols);
-    s.resize(size_t(kTokenChunk) * blocks);
-    ws.resize(size_t(kTileN) * (cols / w.group));
-    expanded.resize(int4 ? size_t(blocks) * kBTileWords : 0);
-    TileScope tiles(kInt8Tiles);
+    if (x.index) {
+        q.resize(size_t(kTokenChunk) * cols);
+        s.resize(size_t(kTokenChunk) * blocks);
+        sums.resize(asym ? size_t(kTokenChunk) * blocks : 0);
+    }
+    st.resize(size_t(kTokenChunk) * blocks);
+    xmin.resize(asym ? size_t(kTokenChunk) * blocks : 0);
+    ws.resize(size_t(kTileN) * blocks);
+    wm.resize(asym ? size_t(kTileN) * blocks : 0);
+    expanded.resize(expand ? size_t(blocks) * kBTileWords : 0);
+    IntOperands o{nullptr, ws.data(), asym ? wm.data() : nullptr, nullptr, nullptr, nullptr, cols, nullptr, 0, nullptr, {}};
+    if (expand)
+        o.table = w.format == Format::INT4
+                      ? _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.levels)))
+                      : _mm512_broadcast_i32x4(_mm_setr_epi8(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+    TileScope tile_unit(kIntTiles);
     for (int i0 = 0; i0 < n; i0 += kTokenChunk) {
         const int count = std::min(kTokenChunk, n - i0);
-        gather_int8(x, i0, count, round_up(count, kTileM), q.data(), s.data());
+        // Rows as they lie where they are contiguous (prepare pads past the last), else gathered.
+        const int8_t* tq = x.q + int64_t(i0) * cols;
+        const float* ts = x.s + int64_t(i0) * blocks;
+        const int32_t* tsums = asym ? x.sums + int64_t(i0) * blocks : nullptr;
+        if (x.index) {
+            gather_int8(x, i0, count, round_up(count, kTileM), q.data(), s.data(), sums.data());
+            tq = q.data(), ts = s.data(), tsums = asym ? sums.data() : nullptr;
+        }
+        for (int t = 0; t * kTileM < count && t < tiles; ++t) {
+            const size_t at = size_t(t) * kTileM * blocks;
+            transpose_tokens(ts + at, asym ? tsums + at : nullptr, blocks, st.data() + at, asym ? xmin.data() + at : nullptr);
+        }
         for (int r = r0; r < r1; r += kTileN) {
-            const uint32_t* slab = reinterpret_cast<const uint32_t*>(int_block_at(w, r, 0));
-            if (int4) {
-                for (int b = 0; b < blocks; ++b)
-                    expand_int4_block(w, r, b, reinterpret_cast<uint8_t*>(expanded.data() + size_t(b) * kBTileWords));
-                slab = expanded.data();
-            }
-            slab_scales(w, r, ws.data());
+            o.b = expand ? reinterpret_cast<const uint8_t*>(expanded.data()) : int_block_at(w, r, 0);
+            o.packed = expand ? int_block_at(w, r, 0) : nullptr;
+            slab_floats(int_scale_at(w, r, 0), blocks, w.group / kBlock, ws.data());
+            if (asym) slab_floats(int_min_at(w, r, 0), blocks, w.group / kBlock, wm.data());
             operands_ready();
-            for (int m0 = 0; m0 < count; m0 += kTileM)
-                int8_product(slab, ws.data(), w.group / kBlock, q.data() + size_t(m0) * cols,
-                             s.data() + size_t(m0) * blocks, cols, std::min(kTileM, count - m0),
-                             y + int64_t(i0 + m0) * ldy + (r - r0), ldy);
+            o.q = tq;
+            o.s = st.data();
+            o.xmin = asym ? xmin.data() : nullptr;
+            o.next = int_block_at(w, r + kTileN, 0);
+            o.next_step = int(2 * int_block_bytes(w.format));
+            float* ym = y + int64_t(i0) * ldy + (r - r0);
+            if (asym) chunk_products<true>(o, 0, count, ym, ldy);
+            else chunk_products<false>(o, 0, count, ym, ldy);
         }
     }
 }
 
 // ---------------------------------------------------------------- bf16
+// An arranged activation row (avx512_bf16's layout) holds, per 16 columns, their 16 hi then 16 lo
+// bf16 parts: 64 bytes, which is one A tile row of 16 pairs, loaded as it lies. Its B operand is the
+// slab's 16 columns twice ([16 column pairs: the 8 pairs, then the same 8][16 rows][2]), so one
+// tdpbf16ps takes hi . w + lo . w. Blocks are transposed into that layout during the first pass.
 
-// Tokens i0 .. i0 + count - 1 (arranged: per 16 columns, 16 hi then 16 lo bf16) as contiguous rows
-// hi [padded][C] and lo [padded][C]; zero rows after.
-void gather_bf16(const Activations& x, int i0, int count, int padded, uint16_t* hi, uint16_t* lo) {
-    for (int m = 0; m < padded; ++m, hi += x.cols, lo += x.cols) {
-        if (m >= count) {
-            std::fill(hi, hi + x.cols, uint16_t(0));
-            std::fill(lo, lo + x.cols, uint16_t(0));
-            continue;
+// Block b (16 columns) of the bf16 slab whose 4-row groups start at group[0..3] -> dst [16][16]
+// 32-bit words: dst[j][n] = word j % 8 (a column pair) of row n. An 8 x 8 transpose of words in
+// each 256-bit half (rows 0-7 and 8-15), then the halves interleaved 128 bits at a time.
+void transpose_block(const uint8_t* const* group, int b, uint32_t* dst) {
+    __m512i z[8];
+    for (int k = 0; k < 8; ++k) {  // z[k] = [row k | row k + 8]
+        const int64_t at = (int64_t(b) * kTileRows + k % kTileRows) * kBlockBytes;
+        const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(group[k / kTileRows] + at));
+        const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(group[2 + k / kTileRows] + at));
+        z[k] = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+    }
+    __m512i t[8], u[8];
+    for (int k = 0; k < 8; k += 2) {
+        t[k] = _mm512_unpacklo_epi32(z[k], z[k + 1]);
+        t[k + 1] = _mm512_unpackhi_epi32(z[k], z[k + 1]);
+    }
+    for (int k = 0; k < 8; k += 4)
+        for (int h = 0; h < 2; ++h) {
+            u[k + 2 * h] = _mm512_unpacklo_epi64(t[k + h], t[k + h + 2]);
+            u[k + 2 * h + 1] = _mm512_unpackhi_epi64(t[k + h], t[k + h + 2]);
         }
-        const float* xm = x.f + x.row(i0 + m) * x.cols;
-        for (int c = 0; c < x.cols; c += kChunk) {
-            std::memcpy(hi + c, xm + c, kChunk * sizeof(uint16_t));
-            std::memcpy(lo + c, xm + c + kChunk / 2, kChunk * sizeof(uint16_t));
-        }
+    // u[k] (k < 4) holds word k (low 128 bits of each half) and k + 4 (high) of rows 0-3 / 8-11;
+    // u[k + 4] the same of rows 4-7 / 12-15.
+    const __m512i low = _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13), high = _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15);
+    auto* out = reinterpret_cast<__m512i*>(dst);
+    for (int k = 0; k < 4; ++k) {
+        const __m512i word_k = _mm512_permutex2var_epi64(u[k], low, u[k + 4]);
+        const __m512i word_k4 = _mm512_permutex2var_epi64(u[k], high, u[k + 4]);
+        _mm512_storeu_si512(out + k, word_k);
+        _mm512_storeu_si512(out + k + 8, word_k);
+        _mm512_storeu_si512(out + k + 4, word_k4);
+        _mm512_storeu_si512(out + k + 12, word_k4);
     }
 }
 
-// y[m * ldy + n] = dot(slab row n, token m) for m < count, from 16 gathered tokens (hi, lo) and the
-// repacked slab: 32 columns per pair of tile products, accumulated in the tile.
-void bf16_product(const uint32_t* slab, const uint16_t* hi, const uint16_t* lo, int cols, int count, float* y, int ldy) {
-    alignas(64) float out[kTileM][kTileN];
+// One bf16 slab (16 weight rows) against one or two tiles of 16 tokens.
+struct Bf16Operands {
+    const uint32_t* b;             // [blocks][16][16] B operands
+    const uint8_t* group[4];       // the slab's 4-row groups as packed, transposed into b during the first pass; or null
+    const float* x;                // [16 or 32] arranged token rows, C floats apart
+    int cols;                      // C
+};
+
+// C tiles: tmm0/1 token tile 0 over even/odd blocks, tmm2/3 token tile 1; A tmm4 (tile 0), tmm5
+// (tile 1); B tmm6 (even blocks), tmm7 (odd). Two accumulators per token tile keep two chains of
+// dependent products in flight.
+constexpr TileConfig kBf16Tiles = {1, 0, {}, {64, 64, 64, 64, 64, 64, 64, 64}, {16, 16, 16, 16, 16, 16, 16, 16}};
+
+#define TANDEM_BF16_BLOCK(c0, c1, bt)                                                     \
+    do {                                                                                  \
+        _tile_loadd(bt, o.b + int64_t(b) * kTileN * kTileN, kTileN * 4);                  \
+        _tile_loadd(4, o.x + b * kChunk, o.cols * sizeof(float));                         \
+        _tile_dpbf16ps(c0, 4, bt);                                                        \
+        if constexpr (Tiles == 2) {                                                       \
+            _tile_loadd(5, o.x + int64_t(kTileM) * o.cols + b * kChunk, o.cols * sizeof(float)); \
+            _tile_dpbf16ps(c1, 5, bt);                                                    \
+        }                                                                                 \
+    } while (0)
+
+// The first pass transposes each block into the slab's B operands as it goes.
+inline void transpose_first(const Bf16Operands& o, int b) {
+    if (!o.group[0]) return;
+    transpose_block(o.group, b, const_cast<uint32_t*>(o.b) + int64_t(b) * kTileN * kTileN);
+    operands_ready();
+}
+
+template <int Odd, int Tiles>
+inline void bf16_block(const Bf16Operands& o, int b) {
+    transpose_first(o, b);
+    if constexpr (Odd) TANDEM_BF16_BLOCK(1, 3, 7);
+    else TANDEM_BF16_BLOCK(0, 2, 6);
+}
+#undef TANDEM_BF16_BLOCK
+
+// y[m * ldy + n] = dot(slab row n, token m) for m < count (count <= 16 * Tiles).
+template <int Tiles>
+void bf16_product(const Bf16Operands& o, int count, float* y, int ldy) {
+    const int blocks = o.cols / kChunk;
     _tile_zero(0);
-    for (int c = 0; c < cols; c += 2 * kChunk) {
-        _tile_loadd(1, hi + c, cols * sizeof(uint16_t));
-        _tile_loadd(2, lo + c, cols * sizeof(uint16_t));
-        _tile_loadd(3, slab + int64_t(c / kChunk) * kBTileWords, kTileN * 4);
-        _tile_dpbf16ps(0, 1, 3);
-        _tile_dpbf16ps(0, 2, 3);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    int b = 0;
+    for (; b + 2 <= blocks; b += 2) {
+        bf16_block<0, Tiles>(o, b);
+        bf16_block<1, Tiles>(o, b + 1);
     }
-    _tile_stored(0, out, kTileN * 4);
-    for (int m = 0; m < count; ++m) std::copy(out[m], out[m] + kTileN, y + int64_t(m) * ldy);
+    if (b < blocks) bf16_block<0, Tiles>(o, b);
+    alignas(64) float sums[4][kTileM * kTileN];
+    _tile_stored(0, sums[0], kTileN * 4);
+    _tile_stored(1, sums[1], kTileN * 4);
+    if constexpr (Tiles == 2) {
+        _tile_stored(2, sums[2], kTileN * 4);
+        _tile_stored(3, sums[3], kTileN * 4);
+    }
+    operands_ready();
+    for (int m = 0; m < count; ++m) {
+        const float* even = sums[2 * (m / kTileM)] + (m % kTileM) * kTileN;
+        _mm512_storeu_ps(y + int64_t(m) * ldy, _mm512_add_ps(_mm512_load_ps(even), _mm512_load_ps(even + kTileM * kTileN)));
+    }
 }
 
-// bf16 weights with C a multiple of 32; rows past the last whole slab, calls with few tokens and
-// other widths go to the SIMD kernel.
+// Tokens i0 .. i0 + count - 1 as contiguous arranged rows (where an index scatters them).
+void gather_rows(const Activations& x, int i0, int count, float* dst) {
+    for (int m = 0; m < count; ++m, dst += x.cols) std::copy_n(x.f + x.row(i0 + m) * x.cols, x.cols, dst);
+}
+
+// bf16 weights; rows past the last whole slab and calls with few tokens go to the SIMD kernel.
 void matmul_bf16_tiles(const Matrix& w, int r0, int r1, const Activations& x, int n, float* y, int ldy) {
-    if (n < kAmxMinTokens || w.cols % (2 * kChunk)) return matmul_bf16(w, r0, r1, x, n, y, ldy);
+    if (n < kAmxMinTokens) return matmul_bf16(w, r0, r1, x, n, y, ldy);
     const int cols = w.cols, slab_end = r0 + (r1 - r0) / kTileN * kTileN;
-    thread_local std::vector<uint16_t> hi, lo;
+    thread_local std::vector<float> rows;
     thread_local std::vector<uint32_t> slab;
-    hi.resize(size_t(kTokenChunk) * cols);
-    lo.resize(size_t(kTokenChunk) * cols);
-    slab.resize(size_t(cols / kChunk) * kBTileWords);
+    if (x.index) rows.resize((size_t(kTokenChunk) + kPadRows) * cols);
+    slab.resize(size_t(cols / kChunk) * kTileN * kTileN);
     {
-        TileScope tiles(kBf16Tiles);
+        TileScope tile_unit(kBf16Tiles);
         for (int i0 = 0; i0 < n; i0 += kTokenChunk) {
             const int count = std::min(kTokenChunk, n - i0);
-            gather_bf16(x, i0, count, round_up(count, kTileM), hi.data(), lo.data());
+            const float* tokens = x.f + int64_t(i0) * cols;
+            if (x.index) gather_rows(x, i0, count, rows.data()), tokens = rows.data();
             for (int r = r0; r < slab_end; r += kTileN) {
-                const uint8_t* group[kTileN / kTileRows];
-                for (int g = 0; g < kTileN / kTileRows; ++g) group[g] = block_at(w, r + g * kTileRows, 0);
-                repack_slab(group, cols / kChunk, slab.data());
-                operands_ready();
-                for (int m0 = 0; m0 < count; m0 += kTileM)
-                    bf16_product(slab.data(), hi.data() + size_t(m0) * cols, lo.data() + size_t(m0) * cols, cols,
-                                 std::min(kTileM, count - m0), y + int64_t(i0 + m0) * ldy + (r - r0), ldy);
+                Bf16Operands o{slab.data(), {}, nullptr, cols};
+                for (int g = 0; g < kTileN / kTileRows; ++g) o.group[g] = block_at(w, r + g * kTileRows, 0);
+                for (int m0 = 0; m0 < count; m0 += 2 * kTileM) {
+                    o.x = tokens + int64_t(m0) * cols;
+                    float* ym = y + int64_t(i0 + m0) * ldy + (r - r0);
+                    if (count - m0 > kTileM) bf16_product<2>(o, std::min(2 * kTileM, count - m0), ym, ldy);
+                    else bf16_product<1>(o, count - m0, ym, ldy);
+                    o.group[0] = nullptr;
+                }
             }
         }
     }
@@ -224,6 +475,7 @@ const KernelTable& amx_kernels() {
         t.matmul[int(Format::BF16)] = matmul_bf16_tiles;
         t.matmul[int(Format::INT8)] = matmul_int_tiles;
         t.matmul[int(Format::INT4)] = matmul_int_tiles;
+        t.matmul[int(Format::INT4_ASYM)] = matmul_int_tiles;
         return t;
     }();
     return table;

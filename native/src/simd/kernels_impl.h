@@ -383,20 +383,6 @@ void matmul_int4(const Matrix& w, int r0, int r1, const Activations& x, int n, f
     }
 }
 
-// Block b of the int4 tile at row r -> the same block as int8, format.h's int8 layout (AMX's B
-// operand): each step's low nibbles become one int8 step, its high nibbles the next.
-[[maybe_unused]] void expand_int4_block(const Matrix& w, int r, int b, uint8_t* dst) {
-    const uint8_t* p = int_block_at(w, r, b);
-    const __m256i table = int4_levels(w);
-    for (int step = 0; step < kBlock / 8; ++step, p += kHalves * 32)
-        for (int h = 0; h < kHalves; ++h) {
-            __m256i lo, hi;
-            unpack_int4(p + 32 * h, table, lo, hi);
-            _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + (2 * step) * 64 + 32 * h), lo);
-            _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + (2 * step + 1) * 64 + 32 * h), hi);
-        }
-}
-
 // exp(x) for x in [-87, 88]: 2^n * p(r) with x = n ln2 + r, |r| <= ln2 / 2 (Cephes' polynomial,
 // about 1 ulp); inputs outside are clamped, which silu tolerates (the result saturates).
 inline __m256 exp_ps(__m256 x) {

@@ -72,9 +72,9 @@ void PackedLinear::dequantize(float* out) const {
 
 void PackedLinear::forward(ThreadPool& pool, const KernelTable& table, const float* x, int tokens, float* y) const {
     if (tokens == 0) return;
-    // bf16 on AMX's tiles (16+ tokens) rounds otherwise than its SIMD path for fewer: dense linears
-    // take the SIMD path at every size, so a token's bits never depend on its batch-mates.
-    const KernelTable& k = format_ == Format::BF16 && &table == &amx_kernels() ? avx512_bf16_kernels() : table;
+    // A token's bits never depend on its batch-mates: the table's batch-invariant kernel where it has one.
+    const KernelTable& k = table;
+    const MatmulFn matmul = k.invariant[int(format_)] ? k.invariant[int(format_)] : k.matmul[int(format_)];
     const Matrix m = matrix();
     const Prepared a = prepare(pool, k, format_, tokens, cols_, [&](int t, float* row) {
         std::copy(x + size_t(t) * in_, x + size_t(t + 1) * in_, row);
@@ -85,11 +85,11 @@ void PackedLinear::forward(ThreadPool& pool, const KernelTable& table, const flo
     auto task = [&](int i) {
         const int r0 = i * block, r1 = std::min(rows_, r0 + block), kept = std::min(r1, out_) - r0;
         if (r1 <= out_) {
-            k.matmul[int(format_)](m, r0, r1, act, tokens, y + r0, out_);
+            matmul(m, r0, r1, act, tokens, y + r0, out_);
         } else {  // the padded rows' tile: computed aside, only the real rows kept
             thread_local std::vector<float> tail;
             tail.resize(size_t(tokens) * (r1 - r0));
-            k.matmul[int(format_)](m, r0, r1, act, tokens, tail.data(), r1 - r0);
+            matmul(m, r0, r1, act, tokens, tail.data(), r1 - r0);
             for (int t = 0; t < tokens; ++t)
                 std::copy_n(tail.data() + size_t(t) * (r1 - r0), kept, y + size_t(t) * out_ + r0);
         }

@@ -66,7 +66,7 @@ def test_variant_matches_generic_and_the_float_product(isa, fmt, shape, pool):
 @pytest.mark.parametrize("inp", [128, 96])  # int8: 4 and 3 blocks of 32 (an odd count ends a tile loop alone)
 def test_a_token_gets_the_same_bits_alone_or_in_any_batch(isa, fmt, inp, pool):
     """Each token's output bits do not depend on its batch-mates, on every variant (bf16 on AMX
-    takes the SIMD path at every size for this: its tiles round otherwise)."""
+    takes the tiles at every size for this: they round otherwise than its SIMD path)."""
     if isa not in tn.supported_isas():
         pytest.skip(f"{isa}: not supported by this CPU or build (supported: {tn.supported_isas()})")
     rng = np.random.default_rng(3)

@@ -58,6 +58,9 @@ struct KernelTable {
     ArrangeFn arrange;
     SiluMulFn silu_mul;
     SwigluOaiFn swiglu_oai;
+    // Where matmul's arithmetic for a token depends on how many tokens share the call (AMX's bf16
+    // tiles from 16 tokens), a kernel whose does not, for dense linears; null: matmul's does not.
+    MatmulFn invariant[kFormats] = {};
 };
 
 const KernelTable& generic_kernels();

@@ -437,9 +437,11 @@ void gather_rows(const Activations& x, int i0, int count, float* dst) {
     for (int m = 0; m < count; ++m, dst += x.cols) std::copy_n(x.f + x.row(i0 + m) * x.cols, x.cols, dst);
 }
 
-// bf16 weights; rows past the last whole slab and calls with few tokens go to the SIMD kernel.
-void matmul_bf16_tiles(const Matrix& w, int r0, int r1, const Activations& x, int n, float* y, int ldy) {
-    if (n < kAmxMinTokens) return matmul_bf16(w, r0, r1, x, n, y, ldy);
+// bf16 weights on the tiles however few the tokens (rows past n are read from the activations'
+// padding and dropped), so a token's bits do not depend on n; rows past the last whole slab go to
+// the SIMD kernel, as they do at any n.
+void bf16_tiles(const Matrix& w, int r0, int r1, const Activations& x, int n, float* y, int ldy) {
+    if (n == 0) return;
     const int cols = w.cols, slab_end = r0 + (r1 - r0) / kTileN * kTileN;
     thread_local std::vector<float> rows;
     thread_local std::vector<uint32_t> slab;
@@ -467,6 +469,12 @@ void matmul_bf16_tiles(const Matrix& w, int r0, int r1, const Activations& x, in
     if (slab_end < r1) matmul_bf16(w, slab_end, r1, x, n, y + (slab_end - r0), ldy);
 }
 
+// The MoE's bf16 products: calls with few tokens (decode) on the SIMD kernel, the rest on the tiles.
+void matmul_bf16_tiles(const Matrix& w, int r0, int r1, const Activations& x, int n, float* y, int ldy) {
+    if (n < kAmxMinTokens) return matmul_bf16(w, r0, r1, x, n, y, ldy);
+    bf16_tiles(w, r0, r1, x, n, y, ldy);
+}
+
 }  // namespace
 
 const KernelTable& amx_kernels() {
@@ -476,6 +484,7 @@ const KernelTable& amx_kernels() {
         t.matmul[int(Format::INT8)] = matmul_int_tiles;
         t.matmul[int(Format::INT4)] = matmul_int_tiles;
         t.matmul[int(Format::INT4_ASYM)] = matmul_int_tiles;
+        t.invariant[int(Format::BF16)] = bf16_tiles;
         return t;
     }();
     return table;

@@ -97,6 +97,23 @@ def test_rows_longer_than_a_scale_span_match_generic(fmt, pool):
         assert relative_error(out, run(layer, x, ids, weights, pool, "generic")) <= 1e-3
 
 
+@pytest.mark.parametrize("isa", ALL_ISAS)
+@pytest.mark.parametrize("fmt", list(TOLERANCE))
+def test_a_decode_batch_on_one_expert(isa, fmt, packed, layer_weights, pool):
+    """16 decode tokens (a full decode batch) that all pick expert 0: that expert's product has 16
+    tokens, read through the batch's index rather than as contiguous rows (AMX: gathered tiles)."""
+    if isa not in tn.supported_isas():
+        pytest.skip(f"{isa}: not supported by this CPU or build (supported: {tn.supported_isas()})")
+    rng = np.random.default_rng(13)
+    x = rng.standard_normal((16, D), dtype=np.float32)
+    others = np.stack([rng.choice(np.arange(1, E), size=K - 1, replace=False) for _ in range(16)])
+    ids = np.concatenate([np.zeros((16, 1), np.int64), others], axis=1)  # expert 0, then K - 1 distinct others
+    weights = rng.random((16, K), dtype=np.float32)
+    out = run(packed[fmt], x, ids, weights, pool, isa)
+    assert relative_error(out, run(packed[fmt], x, ids, weights, pool, "generic")) <= 1e-3
+    assert relative_error(out, reference(x, ids, weights, *layer_weights)) <= TOLERANCE[fmt]
+
+
 def test_results_do_not_depend_on_the_thread_count(packed):
     rng = np.random.default_rng(5)
     x = rng.standard_normal((33, D), dtype=np.float32)

@@ -30,10 +30,7 @@ struct Prepared {
     Prepared gather(ThreadPool& pool, const int32_t* index, int n, int cols) const {
         Prepared out;
         const size_t padded = size_t(n) + kPadRows;
-        auto take = [&](const auto& from, auto& to, size_t width) {
-            to.resize(from.empty() ? 0 : padded * width);
-            return from.empty();
-        };
+        auto take = [&](const auto& from, auto& to, size_t width) { to.resize(from.empty() ? 0 : padded * width); };
         const size_t blocks = cols / kBlock;
         take(q, out.q, cols), take(s, out.s, blocks), take(c, out.c, cols / 8), take(sums, out.sums, blocks);
         take(f, out.f, cols);

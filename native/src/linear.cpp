@@ -73,10 +73,9 @@ void PackedLinear::dequantize(float* out) const {
 void PackedLinear::forward(ThreadPool& pool, const KernelTable& table, const float* x, int tokens, float* y) const {
     if (tokens == 0) return;
     // A token's bits never depend on its batch-mates: the table's batch-invariant kernel where it has one.
-    const KernelTable& k = table;
-    const MatmulFn matmul = k.invariant[int(format_)] ? k.invariant[int(format_)] : k.matmul[int(format_)];
+    const MatmulFn matmul = table.invariant[int(format_)] ? table.invariant[int(format_)] : table.matmul[int(format_)];
     const Matrix m = matrix();
-    const Prepared a = prepare(pool, k, format_, tokens, cols_, [&](int t, float* row) {
+    const Prepared a = prepare(pool, table, format_, tokens, cols_, [&](int t, float* row) {
         std::copy(x + size_t(t) * in_, x + size_t(t + 1) * in_, row);
         std::fill(row + in_, row + cols_, 0.f);
     });

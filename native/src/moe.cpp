@@ -411,20 +411,12 @@ void prefetch_rows(const Matrix& m, int r0, int r1) {
     prefetch_range(int_scale_at(m, r0, 0), int_scale_at(m, r1, 0));
 }
 
-// Output columns per prefill task: wide, so each expert's activations are read by few tasks, but
-// at least 4 tasks per thread; a multiple of 32 (the largest tile of rows).
-int columns_per_task(int hidden, int threads) {
-    int columns = 256;
-    while (columns > 32 && (hidden + columns - 1) / columns < 4 * threads) columns /= 2;
-    return columns;
-}
-
 // Prefill: a task owns a block of output columns for every token and runs every expert's rows of
 // that block, accumulating in a fixed order; no [rows, D] intermediate is written.
 void down_by_columns(ThreadPool& pool, const KernelTable& k, const MoeCall& c, const Plan& p, const Prepared& h) {
     const MoeLayerView& L = *c.layer;
     const int D = L.hidden, I = L.intermediate, A = int(p.experts.size());
-    const int columns = columns_per_task(D, pool.size());
+    const int columns = rows_per_task(D, 1, pool.size());  // of w2, one block of output columns each
     pool.parallel_for((D + columns - 1) / columns, [&](int task) {
         const int r0 = task * columns, r1 = std::min(D, r0 + columns), width = r1 - r0;
         thread_local std::vector<float> y;

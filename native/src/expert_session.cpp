@@ -138,6 +138,7 @@ public:
     }
 
     int max_tokens() const { return max_tokens_; }
+    void park() { pool_->park(); }
 
     // This executor as a C table (executor_api.h) in a capsule that holds self (this executor's
     // Python object) alive while it lives.
@@ -324,6 +325,7 @@ public:
                 seen_ = seq, called = true;
                 answer();
                 bell_ring(response, seq);
+                ex_->park();  // the cores go back to the caller until its next call
             }
         }
         if (!called) return py::none();

@@ -80,7 +80,8 @@ void ThreadPool::run(const std::function<void()>& work) {
 void ThreadPool::coordinator_loop() {
     for (;;) {
         std::pair<std::function<void()>, std::shared_ptr<Job>> item;
-        spin_until([&] { return queued_.load() > 0; }, spin_);  // back-to-back layer calls skip the sleep
+        // back-to-back layer calls skip the sleep
+        spin_until([&] { return queued_.load() > 0 || parked_at_.load() == generation_.load(); }, spin_);
         {
             std::unique_lock<std::mutex> lock(mu_);
             jobs_cv_.wait(lock, [&] { return stop_ || !jobs_.empty(); });
@@ -117,7 +118,7 @@ void ThreadPool::run_tasks() {
 void ThreadPool::helper_loop() {
     uint64_t seen = 0;
     for (;;) {
-        spin_until([&] { return generation_.load() != seen; }, spin_);
+        spin_until([&] { return generation_.load() != seen || parked_at_.load() == seen; }, spin_);
         {
             std::unique_lock<std::mutex> lock(mu_);
             work_cv_.wait(lock, [&] { return stop_ || generation_.load() != seen; });

@@ -3,6 +3,9 @@
 // spin_us, then sleep on a condition variable, so no core burns long between calls: a short spin
 // where other processes need the cores between calls, a longer one where this process issues
 // calls a fraction of a millisecond apart (a decode step's layers) and a wake-up each would cost.
+// park() ends the spins at once: a process that hands the cores to another (a layer call to a
+// co-located expert server, or its answer back) keeps long spins within its own phase and parks
+// when the phase ends.
 #pragma once
 #include <atomic>
 #include <chrono>
@@ -46,6 +49,8 @@ public:
     void run(const std::function<void()>& work);
     // Only from inside a submitted job (the coordinator thread).
     void parallel_for(int n, const std::function<void(int)>& fn);
+    // Idle threads stop spinning and sleep until the next call (any thread, any time).
+    void park() { parked_at_.store(generation_.load()); }
 
 private:
     void coordinator_loop();
@@ -61,6 +66,9 @@ private:
     int n_ = 0;
     std::atomic<int> next_{0}, done_{0}, active_{0};
     std::atomic<uint64_t> generation_{0};
+    // The generation park() was called at: an idle thread that has seen that parallel_for does not
+    // spin (sticky, so a helper that reaches its spin only after the park sleeps too).
+    std::atomic<uint64_t> parked_at_{UINT64_MAX};
     bool stop_ = false;
     bool open_ = false;  // helpers may join the current parallel_for (under mu_)
     std::exception_ptr task_error_;

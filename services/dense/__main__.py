@@ -20,7 +20,6 @@ from services.common.expert_weights import FORMATS, default_threads
 from services.common.checkpoint import resolve_model
 from services.dense.config import EXPERTS, DenseConfig
 from services.dense.moe.remote import GRPC_CLIENTS, TRANSPORTS, RemoteConfig
-from services.dense.pool import DECODE_SPIN_US, SHARED_SPIN_US
 from services.dense.runtime import DENSE_FORMATS, DTYPES, DenseRuntime
 
 
@@ -55,9 +54,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def runtime(a) -> DenseRuntime:
-    """Remote experts are usually an expert server on the same cores: our idle threads leave it them."""
-    spin = SHARED_SPIN_US if a.experts == "remote" else DECODE_SPIN_US
-    return DenseRuntime(a.dtype, a.device, a.dense_format, a.threads, spin)
+    return DenseRuntime(a.dtype, a.device, a.dense_format, a.threads)
 
 
 def config(argv: list[str]) -> DenseConfig:

@@ -18,7 +18,6 @@ from services.common.checkpoint import resolve_model
 from services.dense.loader import load_model, open_checkpoint
 from services.dense.moe.experts import ExpertBackend
 from services.dense.moe.remote import GRPC_CLIENTS, TRANSPORTS, RemoteConfig, RemoteExperts
-from services.dense.pool import DECODE_SPIN_US, SHARED_SPIN_US
 from services.dense.runtime import DENSE_FORMATS, DTYPES, DenseRuntime
 from services.dense.sampling import SamplingParams
 from services.dense.tokenizer import Tokenizer
@@ -65,8 +64,7 @@ def parse_args(argv: list[str] | None = None) -> CliConfig:
         p.error(f"--threads must be >= 1, got {a.threads}")
     try:
         sampling = SamplingParams(a.temperature, a.top_p, a.top_k, a.seed, a.max_tokens)
-        spin = SHARED_SPIN_US if a.experts == "remote" else DECODE_SPIN_US
-        runtime = DenseRuntime(a.dtype, a.device, a.dense_format, a.threads, spin)
+        runtime = DenseRuntime(a.dtype, a.device, a.dense_format, a.threads)
         remote = None
         if a.experts == "remote":
             addresses = tuple(x for x in (a.expert_servers or "").split(",") if x)

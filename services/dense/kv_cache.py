@@ -114,11 +114,16 @@ class PagedLayer:
         self.seq, self.buffers = seq, seq.pool.layers[layer]
 
     def update(self, *new: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        slots = self.seq.slots  # [S] flat positions in the pool of this sequence's entries
-        step = slots[self.seq.start:self.seq.start + new[0].shape[0]]
+        seq, t = self.seq, new[0].shape[0]
+        if seq.base is not None:  # blocks side by side in the pool: a view, nothing gathered
+            for buf, x in zip(self.buffers, new):
+                buf[seq.base + seq.start:seq.base + seq.start + t] = x
+            return tuple(buf[seq.base:seq.base + seq.start + t] for buf in self.buffers)
+        slots = seq.slots  # [S] flat positions in the pool of this sequence's entries
+        step = slots[seq.start:seq.start + t]
         for buf, x in zip(self.buffers, new):
             buf[step] = x
-        return tuple(buf[slots] for buf in self.buffers)
+        return tuple(buf.index_select(0, slots) for buf in self.buffers)
 
 
 class PagedSequence:
@@ -130,22 +135,33 @@ class PagedSequence:
         self.length = 0
         self.start = 0
         self.slots = torch.empty(0, dtype=torch.long, device=pool.device)
+        self.base: int | None = None  # the first slot, while the blocks are one run in the pool
         self.layers = [PagedLayer(self, i) for i in range(len(pool.layers))]
 
     def begin(self, num_tokens: int) -> None:
         end = self.length + num_tokens
         missing = self.pool.blocks_for(end) - len(self.blocks)
         if missing > 0:
-            self.blocks += self.pool.allocate(missing)
-        b = self.pool.block_size
-        table = torch.tensor(self.blocks, dtype=torch.long, device=self.pool.device)
-        positions = torch.arange(end, device=self.pool.device)
-        self.slots = table[positions // b] * b + positions % b
+            self._grow(self.pool.allocate(missing))
+        if self.base is None:
+            b = self.pool.block_size
+            table = torch.tensor(self.blocks, dtype=torch.long, device=self.pool.device)
+            positions = torch.arange(end, device=self.pool.device)
+            self.slots = table[positions // b] * b + positions % b
         self.start = self.length
+
+    def _grow(self, blocks: list[int]) -> None:
+        """Appends blocks; the sequence keeps a base slot while all its blocks lie in one run."""
+        run = self.blocks + blocks
+        if run == list(range(run[0], run[0] + len(run))):
+            self.base = run[0] * self.pool.block_size
+        else:
+            self.base = None
+        self.blocks = run
 
     def commit(self, num_tokens: int) -> None:
         self.length = self.start + num_tokens
 
     def free(self) -> None:
         self.pool.release(self.blocks)
-        self.blocks = []
+        self.blocks, self.base = [], None

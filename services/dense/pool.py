@@ -3,30 +3,35 @@ in-process experts share one, so their work takes turns on the cores instead of 
 them. Idle threads spin DECODE_SPIN_US before sleeping: a decode step issues its native calls (two
 or three linears and one expert call per layer) a fraction of a millisecond apart, and a helper that
 slept in between would cost a wake-up on every call (about 15% of a decode step on 2 cores). Where
-an expert server on the same cores computes between our calls, a short spin (SHARED_SPIN_US) leaves
-it the cores. While native calls run close together torch must not keep worker threads of its own
-spinning on the same cores: see torch_threads."""
+an expert server on the same cores computes a layer call, park_pools ends the spins as the call is
+awaited, so the server has the cores. While native calls run close together torch must not keep
+worker threads of its own spinning on the same cores: see torch_threads."""
 
 from __future__ import annotations
 
 import contextlib
-import functools
 
 import torch
 
 DECODE_SPIN_US = 1000
-SHARED_SPIN_US = 50
+_POOLS: dict[tuple[int, int], object] = {}  # (threads, spin_us) -> tandem_native.ThreadPool
 
 
 def shared_pool(threads: int, spin_us: int = DECODE_SPIN_US):
-    return _pool(threads, spin_us)  # one key however it is called: two pools would spin against each other
+    """One pool per key however it is called: two pools would spin against each other."""
+    key = (threads, spin_us)
+    if key not in _POOLS:
+        import tandem_native
+
+        _POOLS[key] = tandem_native.ThreadPool(threads, spin_us)
+    return _POOLS[key]
 
 
-@functools.cache
-def _pool(threads: int, spin_us: int):
-    import tandem_native
-
-    return tandem_native.ThreadPool(threads, spin_us)
+def park_pools() -> None:
+    """Ends the idle spins of this process's pools at once: called where the cores go to another
+    process (a co-located expert server's layer call) until the next native call here."""
+    for pool in _POOLS.values():
+        pool.park()
 
 
 @contextlib.contextmanager

@@ -121,6 +121,31 @@ def test_a_pool_with_a_longer_spin_still_sleeps_once_it_is_over(setup):
     assert (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime) < 0.05
 
 
+def cpu_seconds_over(seconds: float) -> float:
+    before = resource.getrusage(resource.RUSAGE_SELF)
+    time.sleep(seconds)
+    after = resource.getrusage(resource.RUSAGE_SELF)
+    return (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
+
+
+def test_a_parked_pool_stops_spinning_at_once(setup):
+    """park() (a layer call handed to a co-located expert server) ends a long spin there and then;
+    the next call runs as before. Unparked, the same pool spins through the whole wait."""
+    _, layer, x, ids, w = setup
+    pool = tn.ThreadPool(2, 100000)  # 100 ms of polling after each call
+    expected = np.zeros_like(x)
+    tn.moe_forward(layer, x, ids, w, expected, pool)
+    assert cpu_seconds_over(0.05) > 0.03  # the helper polls
+    time.sleep(0.1)
+    for _ in range(2):
+        out = np.zeros_like(x)
+        tn.moe_forward(layer, x, ids, w, out, pool)
+        pool.park()
+        assert cpu_seconds_over(0.05) < 0.01 and np.array_equal(out, expected)
+    pool.park()  # parking an idle pool again, or before any call, is harmless
+    tn.ThreadPool(2, 100000).park()
+
+
 def test_a_spin_out_of_range_is_refused():
     for spin in (-1, 100001):
         with pytest.raises(ValueError, match="spin_us"):

@@ -23,6 +23,7 @@ from services.common.errors import ConfigError, ExpertBackendError
 from services.common.model_config import ModelConfig
 from services.dense.moe.experts import ExpertBackend
 from services.dense.moe.transport import ShmTransport, inline_transport, native_grpc, rpc_error
+from services.dense.pool import park_pools
 from tandem.v1 import expert_pb2 as pb
 from tandem.v1 import expert_pb2_grpc as pb_grpc
 
@@ -195,6 +196,7 @@ class RemoteExperts(ExpertBackend):
         transport, inner, span, started, sent = handle
         if transport is None:
             return inner
+        park_pools()  # a co-located server computes on these cores meanwhile
         out, compute_s = transport.wait(inner)
         call_s = time.perf_counter() - started
         if span is not None:

@@ -171,3 +171,26 @@ def test_cpu_linear_rows_do_not_depend_on_the_batch(m):
     full = linear(x, w)
     for start in (0, 3, 40 - m):
         assert torch.equal(linear(x[start:start + m], w), full[start:start + m])
+
+
+def test_a_sequence_reads_the_same_entries_from_one_run_of_blocks_or_scattered_ones():
+    """Blocks side by side are read as a view, scattered ones gathered: the same entries either way."""
+    from services.dense.kv_cache import BlockPool, PagedSequence
+
+    _, cfg = open_checkpoint(checkpoint("qwen3_moe"))
+    alone, shared = (BlockPool(cfg, 16, 4, torch.float32, torch.device("cpu")) for _ in range(2))
+    run, scattered, other = PagedSequence(alone), PagedSequence(shared), PagedSequence(shared)
+    shape = alone.layers[0][0].shape[1:]
+    for t in (6, 1, 3, 1, 5):
+        for seq in (run, other, scattered):  # `other` takes blocks between scattered's
+            seq.begin(t)
+        new = [torch.randn(t, *shape) for _ in range(2)]
+        read = [seq.layers[0].update(*new) for seq in (run, scattered, other)]
+        for seq in (run, scattered, other):
+            seq.commit(t)
+        for a, b in zip(read[0], read[1]):
+            assert torch.equal(a, b) and a.shape[0] == run.length
+    assert run.base is not None and scattered.base is None
+    for seq in (run, scattered, other):
+        seq.free()
+    assert alone.used_blocks == shared.used_blocks == 0

@@ -29,7 +29,7 @@ from bench import _machine, _moe_cases as mc
 K = kt_kernel.kt_kernel_ext
 GGML = K.kvcache.ggml_type
 # weight format -> the sizing class that decides how many experts a case holds
-SIZE_CLASS = {"BF16": "bf16", "Q8_0": "int8", "Q4_0": "int4", "RAWINT4": "int4",
+SIZE_CLASS = {"BF16": "bf16", "Q8_0": "int8", "Q4_0": "int4", "RAWINT4": "int4", "AMXRAWINT4": "int4",
               "AMXBF16": "bf16", "AMXINT8": "int8", "AMXINT4": "int4"}
 # kt-kernel's AMX-family classes (its best on AMX CPUs; an AVX-512 path on CPUs without AMX), where
 # the installed variant has them
@@ -99,7 +99,9 @@ def quantize_rawint4(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.stack(codes), torch.stack(scales)
 
 
-def rawint4_weights(wl: mc.Workload, experts: int) -> KtWeights:
+def rawint4_weights(wl: mc.Workload, experts: int, cls: str = "AVX2RawInt4_MOE") -> KtWeights:
+    """RAWINT4 on the given class: AVX2RawInt4_MOE, or AMXInt4_KGroup_MOE (what kt-kernel's RAWINT4
+    wrapper picks on AMX CPUs: group-wise int4 on the tiles)."""
     packed = [[mc.tile(a, experts) for a in quantize_rawint4(t)] for t in projections(wl)]
 
     def configure(c):
@@ -109,7 +111,7 @@ def rawint4_weights(wl: mc.Workload, experts: int) -> KtWeights:
         q = c.quant_config
         q.bits, q.group_size, q.zero_point = 4, RAWINT4_GROUP, False
 
-    return KtWeights(K.moe.AVX2RawInt4_MOE, configure, [t for p in packed for t in p], experts)
+    return KtWeights(getattr(K.moe, cls), configure, [t for p in packed for t in p], experts)
 
 
 def amx_weights(wl: mc.Workload, experts: int, name: str) -> KtWeights:
@@ -130,6 +132,8 @@ BUILDERS = {
     "Q8_0": lambda wl, e: ggml_weights(wl, e, "Q8_0"),
     "Q4_0": lambda wl, e: ggml_weights(wl, e, "Q4_0"),
     "RAWINT4": rawint4_weights,
+    **({"AMXRAWINT4": lambda wl, e: rawint4_weights(wl, e, "AMXInt4_KGroup_MOE")}
+       if hasattr(K.moe, "AMXInt4_KGroup_MOE") else {}),
     **{name: (lambda wl, e, n=name: amx_weights(wl, e, n)) for name, cls in AMX_CLASSES.items() if hasattr(K.moe, cls)},
 }
 

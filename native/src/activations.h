@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "aligned.h"
 #include "pool.h"
 #include "tandem/kernels.h"
 
@@ -21,16 +22,19 @@ inline int rows_per_task(int rows, int experts, int threads) {
 // Activations ready for a variant's matmul: int8 blocks with scales (integer formats) or fp32 rows
 // in the variant's arranged layout (bf16).
 struct Prepared {
-    std::vector<int8_t> q;
-    std::vector<float> s, f;
-    std::vector<int32_t> c;     // int4 only
-    std::vector<int32_t> sums;  // int4_asym only
+    AlignedVector<int8_t> q;
+    AlignedVector<float> s, f;
+    AlignedVector<int32_t> c;     // int4 only
+    AlignedVector<int32_t> sums;  // int4_asym only
 
     // Rows index[0 .. n) of these `cols`-wide activations as a new contiguous set (padded as prepare pads).
     Prepared gather(ThreadPool& pool, const int32_t* index, int n, int cols) const {
         Prepared out;
         const size_t padded = size_t(n) + kPadRows;
-        auto take = [&](const auto& from, auto& to, size_t width) { to.resize(from.empty() ? 0 : padded * width); };
+        auto take = [&](const auto& from, auto& to, size_t width) {
+            to.resize(from.empty() ? 0 : padded * width);
+            std::fill(to.begin() + std::min(to.size(), size_t(n) * width), to.end(), 0);
+        };
         const size_t blocks = cols / kBlock;
         take(q, out.q, cols), take(s, out.s, blocks), take(c, out.c, cols / 8), take(sums, out.sums, blocks);
         take(f, out.f, cols);
@@ -72,13 +76,18 @@ Prepared prepare(ThreadPool& pool, const KernelTable& k, Format f, int rows, int
     const bool quantized = f != Format::BF16;
     const size_t padded = size_t(rows) + kPadRows;
     Prepared out;
+    // The padding rows are zero; rows 0 .. rows - 1 are all written below.
+    auto make = [&](auto& v, size_t width) {
+        v.resize(padded * width);
+        std::fill(v.begin() + size_t(rows) * width, v.end(), 0);
+    };
     if (quantized) {
-        out.q.resize(padded * cols);
-        out.s.resize(padded * (cols / kBlock));
-        if (f == Format::INT4) out.c.resize(padded * (cols / 8));
-        if (f == Format::INT4_ASYM) out.sums.resize(padded * (cols / kBlock));
+        make(out.q, cols);
+        make(out.s, cols / kBlock);
+        if (f == Format::INT4) make(out.c, cols / 8);
+        if (f == Format::INT4_ASYM) make(out.sums, cols / kBlock);
     } else {
-        out.f.resize(padded * cols);
+        make(out.f, cols);
     }
     constexpr int chunk = 8;
     auto run = [&](int task) {

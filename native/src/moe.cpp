@@ -380,7 +380,7 @@ Plan plan(const MoeCall& c, int num_experts) {
 void down_by_experts(ThreadPool& pool, const KernelTable& k, const MoeCall& c, const Plan& p, const Prepared& h) {
     const MoeLayerView& L = *c.layer;
     const int D = L.hidden, I = L.intermediate, A = int(p.experts.size()), rows = p.start[A];
-    std::vector<float> y(size_t(rows) * D);  // [rows, D]
+    AlignedVector<float> y(size_t(rows) * D);  // [rows, D], every row written below
     const int down_rows = rows_per_task(D, A, pool.size()), blocks = (D + down_rows - 1) / down_rows;
     pool.parallel_for(A * blocks, [&](int task) {
         const int a = task / blocks, r0 = (task % blocks) * down_rows, r1 = std::min(D, r0 + down_rows);
@@ -458,7 +458,7 @@ void moe_forward(ThreadPool& pool, const KernelTable& k, const MoeCall& c) {
     };
 
     // Phase 1: gate and up projections, [rows, 2I], one task per (active expert, block of w13 rows).
-    std::vector<float> hu(size_t(rows) * 2 * I);
+    AlignedVector<float> hu(size_t(rows) * 2 * I);  // every row written below
     const int up_rows = rows_per_task(2 * I, A, pool.size()), up_blocks = (2 * I + up_rows - 1) / up_rows;
     pool.parallel_for(A * up_blocks, [&](int task) {
         const int a = task / up_blocks, r0 = (task % up_blocks) * up_rows, r1 = std::min(2 * I, r0 + up_rows);

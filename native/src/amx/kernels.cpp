@@ -14,6 +14,7 @@
 #include <cstring>
 #include <utility>
 
+#include "aligned.h"
 #include "simd/kernels_impl.h"
 
 #if !defined(TANDEM_SIMD_BF16)
@@ -271,11 +272,11 @@ void matmul_int_tiles(const Matrix& w, int r0, int r1, const Activations& x, int
     if (n < kAmxMinTokens) return matmul_int_simd(w, r0, r1, x, n, y, ldy);
     const bool asym = w.format == Format::INT4_ASYM, expand = w.format != Format::INT8;
     const int cols = w.cols, blocks = cols / kBlock, tiles = kTokenChunk / kTileM;
-    thread_local std::vector<int8_t> q;
+    thread_local AlignedVector<int8_t> q;
     thread_local std::vector<float> s, ws, wm, st;
     thread_local std::vector<float> xmin;
     thread_local std::vector<int32_t> sums;
-    thread_local std::vector<uint32_t> expanded;
+    thread_local AlignedVector<uint32_t> expanded;
     if (x.index) {
         q.resize(size_t(kTokenChunk) * cols);
         s.resize(size_t(kTokenChunk) * blocks);
@@ -365,76 +366,105 @@ void transpose_block(const uint8_t* const* group, int b, uint32_t* dst) {
     }
 }
 
-// One bf16 slab (16 weight rows) against one or two tiles of 16 tokens.
+// One or two bf16 slabs (16 weight rows each) against one or two tiles of 16 tokens.
 struct Bf16Operands {
-    const uint32_t* b;             // [blocks][16][16] B operands
-    const uint8_t* group[4];       // the slab's 4-row groups as packed, transposed into b during the first pass; or null
-    const float* x;                // [16 or 32] arranged token rows, C floats apart
+    uint32_t* b[2];                // per slab [blocks][16][16] B operands
+    const uint8_t* group[2][4];    // per slab its 4-row groups as packed, transposed into b during the first pass; or null
+    const float* x;                // [1 or 2 token tiles][blocks][16 tokens][16] A operands
     int cols;                      // C
 };
 
-// C tiles: tmm0/1 token tile 0 over even/odd blocks, tmm2/3 token tile 1; A tmm4 (tile 0), tmm5
-// (tile 1); B tmm6 (even blocks), tmm7 (odd). Two accumulators per token tile keep two chains of
-// dependent products in flight.
+// C tiles: tmm0/1 token tile 0 against slab 0/1, tmm2/3 token tile 1; A tmm4 (token tile 0), tmm5
+// (token tile 1); B tmm6 (slab 0), tmm7 (slab 1). Each loaded operand meets two of the other kind,
+// and the four sums are independent chains.
+constexpr int kATile = kTileM * kChunk;  // floats of one token tile's A operand of a block
+constexpr int kBTile = kTileN * kTileN;  // words of one slab's B operand of a block
 constexpr TileConfig kBf16Tiles = {1, 0, {}, {64, 64, 64, 64, 64, 64, 64, 64}, {16, 16, 16, 16, 16, 16, 16, 16}};
 
-#define TANDEM_BF16_BLOCK(c0, c1, bt)                                                     \
-    do {                                                                                  \
-        _tile_loadd(bt, o.b + int64_t(b) * kTileN * kTileN, kTileN * 4);                  \
-        _tile_loadd(4, o.x + b * kChunk, o.cols * sizeof(float));                         \
-        _tile_dpbf16ps(c0, 4, bt);                                                        \
-        if constexpr (Tiles == 2) {                                                       \
-            _tile_loadd(5, o.x + int64_t(kTileM) * o.cols + b * kChunk, o.cols * sizeof(float)); \
-            _tile_dpbf16ps(c1, 5, bt);                                                    \
-        }                                                                                 \
-    } while (0)
+// The first pass transposes the slabs' blocks into their B operands kAhead blocks before their
+// products: a tile load does not take its bytes from pending stores, it waits for them to land.
+constexpr int kAhead = 2;
 
-// The first pass transposes each block into the slab's B operands as it goes.
-inline void transpose_first(const Bf16Operands& o, int b) {
-    if (!o.group[0]) return;
-    transpose_block(o.group, b, const_cast<uint32_t*>(o.b) + int64_t(b) * kTileN * kTileN);
+template <int Slabs>
+inline void transpose_into(const Bf16Operands& o, int b) {
+    if (!o.group[0][0] || b >= o.cols / kChunk) return;
+    for (int s = 0; s < Slabs; ++s) transpose_block(o.group[s], b, o.b[s] + int64_t(b) * kBTile);
     operands_ready();
 }
 
-template <int Odd, int Tiles>
+template <int Slabs, int Tiles>
 inline void bf16_block(const Bf16Operands& o, int b) {
-    transpose_first(o, b);
-    if constexpr (Odd) TANDEM_BF16_BLOCK(1, 3, 7);
-    else TANDEM_BF16_BLOCK(0, 2, 6);
+    transpose_into<Slabs>(o, b + kAhead);
+    _tile_loadd(6, o.b[0] + int64_t(b) * kBTile, kTileN * 4);
+    _tile_loadd(4, o.x + int64_t(b) * kATile, kChunk * sizeof(float));
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (Slabs == 2) {
+        _tile_loadd(7, o.b[1] + int64_t(b) * kBTile, kTileN * 4);
+        _tile_dpbf16ps(1, 4, 7);
+    }
+    if constexpr (Tiles == 2) {
+        _tile_loadd(5, o.x + int64_t(o.cols) * kTileM + int64_t(b) * kATile, kChunk * sizeof(float));
+        _tile_dpbf16ps(2, 5, 6);
+        if constexpr (Slabs == 2) _tile_dpbf16ps(3, 5, 7);
+    }
 }
-#undef TANDEM_BF16_BLOCK
 
-// y[m * ldy + n] = dot(slab row n, token m) for m < count (count <= 16 * Tiles).
-template <int Tiles>
+// y[m * ldy + 16 * s + n] = dot(slab s row n, token m) for m < count (count <= 16 * Tiles).
+template <int Slabs, int Tiles>
 void bf16_product(const Bf16Operands& o, int count, float* y, int ldy) {
     const int blocks = o.cols / kChunk;
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
     _tile_zero(3);
-    int b = 0;
-    for (; b + 2 <= blocks; b += 2) {
-        bf16_block<0, Tiles>(o, b);
-        bf16_block<1, Tiles>(o, b + 1);
-    }
-    if (b < blocks) bf16_block<0, Tiles>(o, b);
-    alignas(64) float sums[4][kTileM * kTileN];
+    for (int b = 0; b < kAhead; ++b) transpose_into<Slabs>(o, b);
+    for (int b = 0; b < blocks; ++b) bf16_block<Slabs, Tiles>(o, b);
+    alignas(64) float sums[4][kTileM * kTileN];  // [token tile][slab]
     _tile_stored(0, sums[0], kTileN * 4);
-    _tile_stored(1, sums[1], kTileN * 4);
+    if constexpr (Slabs == 2) _tile_stored(1, sums[1], kTileN * 4);
     if constexpr (Tiles == 2) {
         _tile_stored(2, sums[2], kTileN * 4);
-        _tile_stored(3, sums[3], kTileN * 4);
+        if constexpr (Slabs == 2) _tile_stored(3, sums[3], kTileN * 4);
     }
     operands_ready();
-    for (int m = 0; m < count; ++m) {
-        const float* even = sums[2 * (m / kTileM)] + (m % kTileM) * kTileN;
-        _mm512_storeu_ps(y + int64_t(m) * ldy, _mm512_add_ps(_mm512_load_ps(even), _mm512_load_ps(even + kTileM * kTileN)));
-    }
+    for (int m = 0; m < count; ++m)
+        for (int s = 0; s < Slabs; ++s)
+            _mm512_storeu_ps(y + int64_t(m) * ldy + s * kTileN, _mm512_load_ps(sums[2 * (m / kTileM) + s] + (m % kTileM) * kTileN));
 }
 
-// Tokens i0 .. i0 + count - 1 as contiguous arranged rows (where an index scatters them).
-void gather_rows(const Activations& x, int i0, int count, float* dst) {
-    for (int m = 0; m < count; ++m, dst += x.cols) std::copy_n(x.f + x.row(i0 + m) * x.cols, x.cols, dst);
+// Tokens i0 .. i0 + count - 1 of the arranged rows as A operands, dst [tiles][blocks][16][16]:
+// each tile's rows 64 bytes apart, where rows C floats apart would all fall in one L1 set. Rows past
+// count are zero.
+void arrange_tiles(const Activations& x, int i0, int count, float* dst) {
+    const int blocks = x.cols / kChunk;
+    for (int t = 0; t * kTileM < count; ++t)
+        for (int m = 0; m < kTileM; ++m) {
+            const int i = t * kTileM + m;
+            float* out = dst + (int64_t(t) * blocks * kTileM + m) * kChunk;
+            if (i >= count) {
+                for (int b = 0; b < blocks; ++b) std::fill_n(out + int64_t(b) * kATile, kChunk, 0.f);
+                continue;
+            }
+            const float* row = x.f + x.row(i0 + i) * x.cols;
+            for (int b = 0; b < blocks; ++b)
+                _mm512_storeu_ps(out + int64_t(b) * kATile, _mm512_loadu_ps(row + b * kChunk));
+        }
+}
+
+// Slabs slabs from row r against count arranged tokens (A operands), two token tiles at a time.
+template <int Slabs>
+void bf16_slabs(const Matrix& w, int r, const float* tokens, int count, uint32_t* slab, float* y, int ldy) {
+    const int cols = w.cols;
+    Bf16Operands o{{slab, slab + int64_t(cols / kChunk) * kBTile}, {}, nullptr, cols};
+    for (int s = 0; s < Slabs; ++s)
+        for (int g = 0; g < kTileN / kTileRows; ++g) o.group[s][g] = block_at(w, r + s * kTileN + g * kTileRows, 0);
+    for (int m0 = 0; m0 < count; m0 += 2 * kTileM) {
+        o.x = tokens + int64_t(m0) * cols;
+        float* ym = y + int64_t(m0) * ldy;
+        if (count - m0 > kTileM) bf16_product<Slabs, 2>(o, std::min(2 * kTileM, count - m0), ym, ldy);
+        else bf16_product<Slabs, 1>(o, count - m0, ym, ldy);
+        o.group[0][0] = nullptr;
+    }
 }
 
 // bf16 weights on the tiles however few the tokens (rows past n are read from the activations'
@@ -443,27 +473,19 @@ void gather_rows(const Activations& x, int i0, int count, float* dst) {
 void bf16_tiles(const Matrix& w, int r0, int r1, const Activations& x, int n, float* y, int ldy) {
     if (n == 0) return;
     const int cols = w.cols, slab_end = r0 + (r1 - r0) / kTileN * kTileN;
-    thread_local std::vector<float> rows;
-    thread_local std::vector<uint32_t> slab;
-    if (x.index) rows.resize((size_t(kTokenChunk) + kPadRows) * cols);
-    slab.resize(size_t(cols / kChunk) * kTileN * kTileN);
+    thread_local AlignedVector<float> tokens;
+    thread_local AlignedVector<uint32_t> slab;
+    tokens.resize(size_t(kTokenChunk) * cols);
+    slab.resize(2 * size_t(cols / kChunk) * kBTile);
     {
         TileScope tile_unit(kBf16Tiles);
         for (int i0 = 0; i0 < n; i0 += kTokenChunk) {
             const int count = std::min(kTokenChunk, n - i0);
-            const float* tokens = x.f + int64_t(i0) * cols;
-            if (x.index) gather_rows(x, i0, count, rows.data()), tokens = rows.data();
-            for (int r = r0; r < slab_end; r += kTileN) {
-                Bf16Operands o{slab.data(), {}, nullptr, cols};
-                for (int g = 0; g < kTileN / kTileRows; ++g) o.group[g] = block_at(w, r + g * kTileRows, 0);
-                for (int m0 = 0; m0 < count; m0 += 2 * kTileM) {
-                    o.x = tokens + int64_t(m0) * cols;
-                    float* ym = y + int64_t(i0 + m0) * ldy + (r - r0);
-                    if (count - m0 > kTileM) bf16_product<2>(o, std::min(2 * kTileM, count - m0), ym, ldy);
-                    else bf16_product<1>(o, count - m0, ym, ldy);
-                    o.group[0] = nullptr;
-                }
-            }
+            arrange_tiles(x, i0, count, tokens.data());
+            operands_ready();
+            for (int r = r0; r < slab_end; r += 2 * kTileN)
+                if (slab_end - r >= 2 * kTileN) bf16_slabs<2>(w, r, tokens.data(), count, slab.data(), y + int64_t(i0) * ldy + (r - r0), ldy);
+                else bf16_slabs<1>(w, r, tokens.data(), count, slab.data(), y + int64_t(i0) * ldy + (r - r0), ldy);
         }
     }
     if (slab_end < r1) matmul_bf16(w, slab_end, r1, x, n, y + (slab_end - r0), ldy);

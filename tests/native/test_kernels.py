@@ -158,6 +158,24 @@ def test_a_token_gets_the_same_bits_alone_or_in_any_batch(isa, fmt, packed, pool
         assert np.array_equal(part, full[start:start + n]), (start, n)
 
 
+@pytest.mark.parametrize("isa", ALL_ISAS)
+@pytest.mark.parametrize("fmt", list(TOLERANCE))
+def test_a_call_reusing_the_scratch_of_a_poisoned_one_gets_the_same_bits(isa, fmt, packed, pool):
+    """Large activation and scratch blocks are kept for the next call of about the same size, and
+    left uninitialized: nothing of the call before (here all NaN, and a few more tokens than the
+    next one, so its rows lie past the next call's last row) may reach a result."""
+    if isa not in tn.supported_isas():
+        pytest.skip(f"{isa}: not supported by this CPU or build (supported: {tn.supported_isas()})")
+    rng = np.random.default_rng(9)
+    x = rng.standard_normal((600, D), dtype=np.float32)
+    ids, weights = random_routing(rng, 600, E, K)
+    part = slice(0, 590)  # blocks in the same size class as 600 tokens'
+    before = run(packed[fmt], x[part].copy(), ids[part].copy(), weights[part].copy(), pool, isa)
+    tn.moe_forward(packed[fmt], np.full_like(x, np.nan), ids, weights, np.empty_like(x), pool, isa)
+    after = run(packed[fmt], x[part].copy(), ids[part].copy(), weights[part].copy(), pool, isa)
+    assert np.array_equal(before, after)
+
+
 # Uniform 4-bit (Q4_0, compressed-tensors) and a table reaching int8's ends, where the AVX2 int16
 # sums are tightest.
 LEVEL_TABLES = {"uniform": list(range(-8, 8)), "extremes": [-128, -96, -70, -50, -34, -20, -9, -1, 4, 12, 24, 38, 56, 78, 104, 127]}

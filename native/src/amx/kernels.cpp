@@ -434,17 +434,13 @@ void bf16_product(const Bf16Operands& o, int count, float* y, int ldy) {
 
 // Tokens i0 .. i0 + count - 1 of the arranged rows as A operands, dst [tiles][blocks][16][16]:
 // each tile's rows 64 bytes apart, where rows C floats apart would all fall in one L1 set. Rows past
-// count are zero.
+// count keep what an earlier call left there (zeros at first): their products are dropped.
 void arrange_tiles(const Activations& x, int i0, int count, float* dst) {
     const int blocks = x.cols / kChunk;
     for (int t = 0; t * kTileM < count; ++t)
-        for (int m = 0; m < kTileM; ++m) {
+        for (int m = 0; m < std::min(kTileM, count - t * kTileM); ++m) {
             const int i = t * kTileM + m;
             float* out = dst + (int64_t(t) * blocks * kTileM + m) * kChunk;
-            if (i >= count) {
-                for (int b = 0; b < blocks; ++b) std::fill_n(out + int64_t(b) * kATile, kChunk, 0.f);
-                continue;
-            }
             const float* row = x.f + x.row(i0 + i) * x.cols;
             for (int b = 0; b < blocks; ++b)
                 _mm512_storeu_ps(out + int64_t(b) * kATile, _mm512_loadu_ps(row + b * kChunk));
@@ -475,7 +471,7 @@ void bf16_tiles(const Matrix& w, int r0, int r1, const Activations& x, int n, fl
     const int cols = w.cols, slab_end = r0 + (r1 - r0) / kTileN * kTileN;
     thread_local AlignedVector<float> tokens;
     thread_local AlignedVector<uint32_t> slab;
-    tokens.resize(size_t(kTokenChunk) * cols);
+    tokens.resize(size_t(kTokenChunk) * cols, 0.f);
     slab.resize(2 * size_t(cols / kChunk) * kBTile);
     {
         TileScope tile_unit(kBf16Tiles);

@@ -19,6 +19,13 @@ inline int rows_per_task(int rows, int experts, int threads) {
     return block;
 }
 
+// v as `rows` rows of `width` (left as they are: their writer fills them) and kPadRows zero rows.
+template <typename Vector>
+void resize_padded(Vector& v, size_t rows, size_t width) {
+    v.resize((rows + kPadRows) * width);
+    std::fill(v.begin() + rows * width, v.end(), 0);
+}
+
 // Activations ready for a variant's matmul: int8 blocks with scales (integer formats) or fp32 rows
 // in the variant's arranged layout (bf16).
 struct Prepared {
@@ -30,10 +37,8 @@ struct Prepared {
     // Rows index[0 .. n) of these `cols`-wide activations as a new contiguous set (padded as prepare pads).
     Prepared gather(ThreadPool& pool, const int32_t* index, int n, int cols) const {
         Prepared out;
-        const size_t padded = size_t(n) + kPadRows;
         auto take = [&](const auto& from, auto& to, size_t width) {
-            to.resize(from.empty() ? 0 : padded * width);
-            std::fill(to.begin() + std::min(to.size(), size_t(n) * width), to.end(), 0);
+            if (!from.empty()) resize_padded(to, size_t(n), width);
         };
         const size_t blocks = cols / kBlock;
         take(q, out.q, cols), take(s, out.s, blocks), take(c, out.c, cols / 8), take(sums, out.sums, blocks);
@@ -74,13 +79,8 @@ struct Prepared {
 template <typename Produce>
 Prepared prepare(ThreadPool& pool, const KernelTable& k, Format f, int rows, int cols, Produce produce) {
     const bool quantized = f != Format::BF16;
-    const size_t padded = size_t(rows) + kPadRows;
     Prepared out;
-    // The padding rows are zero; rows 0 .. rows - 1 are all written below.
-    auto make = [&](auto& v, size_t width) {
-        v.resize(padded * width);
-        std::fill(v.begin() + size_t(rows) * width, v.end(), 0);
-    };
+    auto make = [&](auto& v, size_t width) { resize_padded(v, size_t(rows), width); };  // rows all written below
     if (quantized) {
         make(out.q, cols);
         make(out.s, cols / kBlock);

@@ -5,10 +5,10 @@
 //   are B operands as packed (format.h: a 32-column block of a 16-row tile is the 16 rows' 4-byte
 //   column groups interleaved); 4-bit blocks are expanded to that during a slab's first pass.
 // - bf16 weights: tdpbf16ps of the arranged activations (hi and lo bf16 parts of x, as avx512_bf16
-//   splits them) against each 16-column block twice over, accumulating in the tiles; blocks are
-//   transposed into B operands during a slab's first pass.
-// One slab (16 weight rows) meets two token tiles per pass, so each B operand is loaded once for
-// 32 tokens. Under kAmxMinTokens tokens, and for everything besides the matrix products, the shared
+//   splits them, copied tile by tile as A operands) against each 16-column block twice over,
+//   accumulating in the tiles; blocks are transposed into B operands during a slab's first pass.
+// A slab (16 weight rows; two at a time for bf16) meets two token tiles per pass, so each B operand
+// is loaded once for 32 tokens. Under kAmxMinTokens tokens, and for everything besides the matrix products, the shared
 // SIMD kernels run, compiled here as in the avx512_bf16 variant.
 // M tokens per tile (16), N weight rows per tile (16).
 #include <cstring>
@@ -463,8 +463,8 @@ void bf16_slabs(const Matrix& w, int r, const float* tokens, int count, uint32_t
     }
 }
 
-// bf16 weights on the tiles however few the tokens (rows past n are read from the activations'
-// padding and dropped), so a token's bits do not depend on n; rows past the last whole slab go to
+// bf16 weights on the tiles however few the tokens (a tile's rows past n are dropped), so a
+// token's bits do not depend on n; rows past the last whole slab go to
 // the SIMD kernel, as they do at any n.
 void bf16_tiles(const Matrix& w, int r0, int r1, const Activations& x, int n, float* y, int ldy) {
     if (n == 0) return;
@@ -479,9 +479,11 @@ void bf16_tiles(const Matrix& w, int r0, int r1, const Activations& x, int n, fl
             const int count = std::min(kTokenChunk, n - i0);
             arrange_tiles(x, i0, count, tokens.data());
             operands_ready();
-            for (int r = r0; r < slab_end; r += 2 * kTileN)
-                if (slab_end - r >= 2 * kTileN) bf16_slabs<2>(w, r, tokens.data(), count, slab.data(), y + int64_t(i0) * ldy + (r - r0), ldy);
-                else bf16_slabs<1>(w, r, tokens.data(), count, slab.data(), y + int64_t(i0) * ldy + (r - r0), ldy);
+            for (int r = r0; r < slab_end; r += 2 * kTileN) {
+                float* yr = y + int64_t(i0) * ldy + (r - r0);
+                if (slab_end - r >= 2 * kTileN) bf16_slabs<2>(w, r, tokens.data(), count, slab.data(), yr, ldy);
+                else bf16_slabs<1>(w, r, tokens.data(), count, slab.data(), yr, ldy);
+            }
         }
     }
     if (slab_end < r1) matmul_bf16(w, slab_end, r1, x, n, y + (slab_end - r0), ldy);

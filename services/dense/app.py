@@ -25,7 +25,7 @@ from services.dense.kv_cache import bytes_per_token
 from services.dense.loader import load_model, open_checkpoint
 from services.dense.server import DenseServicer, ModelInfo
 from services.dense.tokenizer import Tokenizer
-from services.dense.weights import PACKED_BYTES_PER_WEIGHT
+from services.dense.weights import FINER, PACKED_BYTES_PER_WEIGHT
 from tandem.v1 import dense_pb2 as pb
 from tandem.v1 import dense_pb2_grpc as pb_grpc
 
@@ -67,6 +67,11 @@ def _packed_linear(name: str) -> bool:
     return (name.endswith(".weight") and "_proj" in name and "kv_b_proj" not in name) or name == "lm_head.weight"
 
 
+def _finer(name: str) -> bool:
+    """A linear packed one format finer than --dense-format asks (weights.FINER)."""
+    return name == "lm_head.weight" or name.endswith(("k_proj.weight", "v_proj.weight"))
+
+
 def check_memory(cfg: DenseConfig) -> None:
     """Prints what loading will take (dense weights on the device, the KV cache when --kv-tokens
     fixes it, in-process experts in host RAM) and refuses, naming the numbers and what to change,
@@ -78,8 +83,10 @@ def check_memory(cfg: DenseConfig) -> None:
     loaded = [n for n in checkpoint.names() if _layer(n) < model_cfg.num_layers]
     routed = [n for n in loaded if model_cfg.is_routed_expert_tensor(n)]
     dense = [n for n in loaded if n not in set(routed) or cfg.experts == "reference"]
-    packed = PACKED_BYTES_PER_WEIGHT.get(cfg.runtime.weights)
-    weights = sum(math.prod(checkpoint.shape(n)) * (packed if packed and _packed_linear(n) else size) for n in dense)
+    fmt = cfg.runtime.weights
+    packed = {n: PACKED_BYTES_PER_WEIGHT[FINER.get(fmt, fmt) if _finer(n) else fmt]
+              for n in dense if fmt != "float" and _packed_linear(n)}
+    weights = sum(math.prod(checkpoint.shape(n)) * packed.get(n, size) for n in dense)
     kv = cfg.kv_tokens * bytes_per_token(model_cfg, dtype)
     experts = packed_bytes(model_cfg, cfg.expert_format) if cfg.experts == "native" else 0
     gib = 2**30

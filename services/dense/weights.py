@@ -19,9 +19,9 @@ from services.common.expert_weights import DEFAULT_GROUP_SIZE
 ROW_BLOCK = 4
 # (requested dense format, the format a linear is packed in) -> stored code formats imported as they are
 TAKES = {("int4", "int4"): ("int4", "int4_asym"), ("int4", "int8"): ("int8", "int4", "int4_asym"),
-         ("int4_asym", "int8"): ("int8", "int4", "int4_asym")}
-# lm_head's format under each dense format that is not its own
-OUTPUT_FORMAT = {"int4": "int8", "int4_asym": "int8"}
+         ("int4_asym", "int8"): ("int8", "int4", "int4_asym"), ("int8", "bf16"): ("int8",)}
+# The format one step finer than a packed dense format: lm_head's, and the key and value projections'
+FINER = {"int8": "bf16", "int4": "int8", "int4_asym": "int8"}
 # Bytes per weight of each packed format, scales included (group of 32), for memory estimates.
 PACKED_BYTES_PER_WEIGHT = {"bf16": 2.0, "int8": 1.0625, "int4": 0.5625, "int4_asym": 0.625}
 
@@ -112,18 +112,21 @@ class WeightLoader:
         return Linear(join(weights), join(biases) if biases else None)
 
     def part_format(self, prefix: str) -> str:
-        """A dense linear's packed format: the request's, but under a 4-bit one the key and value
-        projections take int8, as llama.cpp's 4-bit types give them 8 bits in models of 8+ experts
-        (small tensors, and the cache holds their rounding for every later token)."""
-        if self.weights in OUTPUT_FORMAT and prefix.rsplit(".", 1)[-1] in ("k_proj", "v_proj"):
-            return OUTPUT_FORMAT[self.weights]
+        """A dense linear's packed format: the request's, but the key and value projections take the
+        next finer one (int8 under a 4-bit request, as llama.cpp's 4-bit types give them 8 bits in
+        models of 8+ experts; bf16 under int8): small tensors, and the cache holds their rounding for
+        every later token."""
+        if self.weights in FINER and prefix.rsplit(".", 1)[-1] in ("k_proj", "v_proj"):
+            return FINER[self.weights]
         return self.weights
 
     def output_linear(self, prefix: str, out_features: int, in_features: int) -> Linear | PackedLinear:
-        """lm_head: a 4-bit request packs it in int8 (as llama.cpp's 4-bit types keep output.weight in
-        6 or 8 bits: its logits carry every token's rounding, and a small model's perplexity shows it),
-        unless the checkpoint already stores it in 4-bit codes, which import as they are."""
-        return self.linears([prefix], [out_features], in_features, fmt=OUTPUT_FORMAT.get(self.weights, self.weights))
+        """lm_head in the next finer format: int8 under a 4-bit request (as llama.cpp's 4-bit types keep
+        output.weight in 6 or 8 bits: its logits carry every token's rounding, and a small model's
+        perplexity shows it), bf16 under int8 (as vLLM leaves lm_head unquantized: the int8 rounding of
+        the final hidden state's outlier channels was most of the default model's int8 increase),
+        unless the checkpoint stores it in codes the request takes, which import as they are."""
+        return self.linears([prefix], [out_features], in_features, fmt=FINER.get(self.weights, self.weights))
 
     def float_linear(self, prefix: str, out_features: int, in_features: int, bias: bool = False) -> Linear:
         """A linear kept as dtype tensors whatever the weight format (its weight is used as a tensor)."""
@@ -160,8 +163,8 @@ class WeightLoader:
     def _stored_codes(self, names: list[str], outs: list[int], in_features: int, fmt: str) -> list | None:
         """Every part's stored codes when they are all of one packed format the request keeps (the
         same group and levels), else None: the weights are quantized from floats. An int4 request
-        also takes int4_asym codes; the output's int8 under a 4-bit request takes any."""
-        if fmt == "bf16":
+        also takes int4_asym codes; the next finer format (FINER) takes the request's own and finer."""
+        if fmt == "bf16" and (self.weights, fmt) not in TAKES:
             return None
         takes = TAKES.get((self.weights, fmt), (fmt,))
         codes = [self.checkpoint.quantized(n, (o, in_features)) for n, o in zip(names, outs)]

@@ -96,7 +96,7 @@ def test_every_dense_linear_is_packed_and_only_kv_b_stays_a_tensor(family_checkp
     if model.cfg.attention.kind == "mla":
         assert isinstance(attention.x_proj, PackedLinear) and isinstance(attention.kv_b_proj, Linear)
     else:
-        assert isinstance(attention.qkv_proj, PackedLinear)
+        assert all(isinstance(p, PackedLinear) for p in getattr(attention.qkv_proj, "parts", (attention.qkv_proj,)))
     assert isinstance(attention.o_proj, PackedLinear)
 
 
@@ -107,6 +107,15 @@ def test_a_4_bit_request_keeps_lm_head_keys_and_values_in_int8_as_llama_cpp_does
     q, kv = model.layers[0].attention.qkv_proj.parts
     assert (q.packed.format, kv.packed.format, model.lm_head.packed.format) == ("int4", "int8", "int8")
     assert model.layers[0].attention.o_proj.packed.format == "int4"
+
+
+def test_an_int8_request_keeps_lm_head_keys_and_values_in_bf16():
+    from tests.checkpoints import checkpoint
+
+    model = packed_model(checkpoint("qwen3_moe"), "int8")
+    q, kv = model.layers[0].attention.qkv_proj.parts
+    assert (q.packed.format, kv.packed.format, model.lm_head.packed.format) == ("int8", "bf16", "bf16")
+    assert model.layers[0].attention.o_proj.packed.format == "int8"
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "int8", "int4"])

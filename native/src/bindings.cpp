@@ -227,6 +227,10 @@ PYBIND11_MODULE(tandem_native, m) {
              py::arg("threads"), py::arg("spin_us") = 50,
              "threads workers (the caller of a call counts as one); idle ones spin spin_us, then sleep")
         .def("park", &ThreadPool::park, "idle threads stop spinning and sleep until the next call")
+        .def("warm", [](ThreadPool& pool, size_t address, size_t bytes) {
+                 pool.warm(reinterpret_cast<const void*>(address), bytes);
+             }, py::arg("address"), py::arg("nbytes"),
+             "an idle helper reads [address, address + nbytes) into the caches until the next call")
         .def_property_readonly("size", &ThreadPool::size);
 
     py::class_<PyLayer>(m, "MoeLayer")

@@ -102,6 +102,8 @@ void register_linear(py::module_& m) {
             return l.levels() ? std::vector<int>(l.levels(), l.levels() + 16) : std::vector<int>();
         })
         .def_property_readonly("nbytes", &PackedLinear::nbytes)
+        .def_property_readonly("address", [](const PackedLinear& l) { return reinterpret_cast<size_t>(l.matrix().data); },
+                               "where the packed weights start (ThreadPool.warm)")
         .def("pack", &pack_linear, py::arg("weight"), py::arg("pool"), py::arg("row0") = 0,
              "Quantize float32 rows [row0, row0 + n) from weight [n, I]")
         .def("put_codes", &put_linear_codes, py::arg("row0"), py::arg("codes"), py::arg("scales"), py::arg("mins") = py::none(),

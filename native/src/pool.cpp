@@ -1,5 +1,6 @@
 #include "pool.h"
 
+#include <algorithm>
 #include <chrono>
 #include <stdexcept>
 
@@ -115,10 +116,41 @@ void ThreadPool::run_tasks() {
     }
 }
 
+void ThreadPool::warm(const void* p, size_t bytes) {
+    if (helpers_.empty() || bytes == 0) return;
+    std::lock_guard<std::mutex> lock(warm_mu_);
+    warm_.emplace_back(static_cast<const char*>(p), bytes);
+    warm_pending_ = true;
+}
+
+// Prefetches the queued ranges a page at a time, leaving the rest queued as work arrives.
+void ThreadPool::warm_until_work(uint64_t seen) {
+    constexpr size_t kStep = 4096;
+    while (warm_pending_.load() && generation_.load() == seen) {
+        std::pair<const char*, size_t> range;
+        {
+            std::lock_guard<std::mutex> lock(warm_mu_);
+            if (warm_.empty()) {
+                warm_pending_ = false;
+                return;
+            }
+            range = warm_.front();
+            const size_t step = std::min(kStep, range.second);
+            warm_.front() = {range.first + step, range.second - step};
+            if (warm_.front().second == 0) warm_.erase(warm_.begin());
+            range.second = step;
+        }
+        for (size_t off = 0; off < range.second; off += 64) __builtin_prefetch(range.first + off, 0, 2);
+    }
+}
+
 void ThreadPool::helper_loop() {
     uint64_t seen = 0;
     for (;;) {
-        spin_until([&] { return generation_.load() != seen || parked_at_.load() == seen; }, spin_);
+        warm_until_work(seen);
+        const bool woke = spin_until(
+            [&] { return generation_.load() != seen || parked_at_.load() == seen || warm_pending_.load(); }, spin_);
+        if (woke && generation_.load() == seen && parked_at_.load() != seen) continue;  // a range to warm
         {
             std::unique_lock<std::mutex> lock(mu_);
             work_cv_.wait(lock, [&] { return stop_ || generation_.load() != seen; });
@@ -135,6 +167,11 @@ void ThreadPool::helper_loop() {
 
 void ThreadPool::parallel_for(int n, const std::function<void(int)>& fn) {
     if (n <= 0) return;
+    if (warm_pending_.load()) {  // what was not read ahead by now is this call's to read
+        std::lock_guard<std::mutex> lock(warm_mu_);
+        warm_.clear();
+        warm_pending_ = false;
+    }
     {
         std::lock_guard<std::mutex> lock(mu_);
         fn_ = &fn;

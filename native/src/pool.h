@@ -51,11 +51,16 @@ public:
     void parallel_for(int n, const std::function<void(int)>& fn);
     // Idle threads stop spinning and sleep until the next call (any thread, any time).
     void park() { parked_at_.store(generation_.load()); }
+    // An idle helper reads [p, p + bytes) into the caches until the next parallel_for (what a call
+    // soon after will read: a decode step's dense weights, between the small ops that leave the
+    // memory idle); a request queued while every helper sleeps is dropped. Any thread, any time.
+    void warm(const void* p, size_t bytes);
 
 private:
     void coordinator_loop();
     void helper_loop();
     void run_tasks();
+    void warm_until_work(uint64_t seen);
 
     std::mutex mu_;
     std::condition_variable work_cv_, done_cv_, jobs_cv_;
@@ -69,6 +74,9 @@ private:
     // The generation park() was called at: an idle thread that has seen that parallel_for does not
     // spin (sticky, so a helper that reaches its spin only after the park sleeps too).
     std::atomic<uint64_t> parked_at_{UINT64_MAX};
+    std::mutex warm_mu_;
+    std::vector<std::pair<const char*, size_t>> warm_;  // ranges left to read ahead, oldest first
+    std::atomic<bool> warm_pending_{false};
     bool stop_ = false;
     bool open_ = false;  // helpers may join the current parallel_for (under mu_)
     std::exception_ptr task_error_;

@@ -49,6 +49,33 @@ class Linear:
         return linear(x, self.weight, self.bias)
 
 
+# Up to this many rows a packed linear's call is a decode step's (WarmChain); the first bytes of each
+# matrix the chain reads ahead (about what a decode step's small ops between two calls give time for).
+WARM_ROWS = 16
+WARM_MAX_BYTES = 4 << 20
+
+
+class WarmChain:
+    """Reads the next packed linear's weights into the caches while a decode step's small ops run
+    between two native calls (norms, rope, attention, routing: the memory idles meanwhile, and the
+    next call would read its weights from DRAM): an idle helper of the pool reads them
+    (ThreadPool.warm) until that call starts. A step calls its linears in the same order every
+    time; the chain follows the latest order it saw."""
+
+    def __init__(self, pool):
+        self.pool = pool
+        self.following: dict[int, tuple[tuple[int, int], ...]] = {}  # id(linear) -> next one's ranges
+        self.last = None
+
+    def after(self, linear) -> None:
+        """Called as `linear` (PackedLinear or PackedLinears) returns from a decode-sized call."""
+        if self.last is not None:
+            self.following[id(self.last)] = linear.ranges()
+        self.last = linear
+        for address, nbytes in self.following.get(id(linear), ()):
+            self.pool.warm(address, min(nbytes, WARM_MAX_BYTES))
+
+
 @dataclass(frozen=True)
 class PackedLinear:
     """A dense linear held in a packed format and computed by the native kernels (one always-active
@@ -56,12 +83,22 @@ class PackedLinear:
 
     packed: object  # tandem_native.Linear
     pool: object    # tandem_native.ThreadPool
+    chain: WarmChain | None = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [M, I] -> [M, O]
+        out = self.forward(x)
+        if self.chain is not None and x.shape[0] <= WARM_ROWS:
+            self.chain.after(self)
+        return out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.detach().to(torch.float32).contiguous()
         out = torch.empty((x.shape[0], self.packed.out_features), dtype=torch.float32)
         self.packed.forward(x32.numpy(), out.numpy(), self.pool)
         return out if x.dtype == torch.float32 else out.to(x.dtype)
+
+    def ranges(self) -> tuple[tuple[int, int], ...]:
+        return ((self.packed.address, self.packed.nbytes),)
 
 
 @dataclass(frozen=True)
@@ -69,9 +106,16 @@ class PackedLinears:
     """Packed linears of one input in different formats, their outputs side by side."""
 
     parts: tuple[PackedLinear, ...]
+    chain: WarmChain | None = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [M, I] -> [M, sum O]
-        return torch.cat([p(x) for p in self.parts], dim=-1)
+        out = torch.cat([p.forward(x) for p in self.parts], dim=-1)
+        if self.chain is not None and x.shape[0] <= WARM_ROWS:
+            self.chain.after(self)
+        return out
+
+    def ranges(self) -> tuple[tuple[int, int], ...]:
+        return tuple(r for p in self.parts for r in p.ranges())
 
 
 class WeightLoader:
@@ -86,6 +130,7 @@ class WeightLoader:
         self.device = device
         self.weights = weights
         self.pool = pool
+        self.chain = WarmChain(pool) if weights != "float" and pool is not None else None
 
     def tensor(self, name: str, shape: tuple[int, ...], dtype: torch.dtype | None = None) -> torch.Tensor:
         raw = self.checkpoint.get(name, shape)
@@ -102,10 +147,10 @@ class WeightLoader:
             formats = [fmt or self.part_format(p) for p in prefixes]
             runs = [(f, [i for i, g in enumerate(formats) if g == f]) for f in dict.fromkeys(formats)]
             if len(runs) == 1:
-                return PackedLinear(self._pack(prefixes, outs, in_features, bias, formats[0]), self.pool)
+                return PackedLinear(self._pack(prefixes, outs, in_features, bias, formats[0]), self.pool, self.chain)
             assert all(ix == list(range(ix[0], ix[-1] + 1)) for _, ix in runs), "parts of one format must be adjacent"
             return PackedLinears(tuple(PackedLinear(self._pack([prefixes[i] for i in ix], [outs[i] for i in ix], in_features,
-                                                               bias, f), self.pool) for f, ix in runs))
+                                                               bias, f), self.pool) for f, ix in runs), self.chain)
         weights = [self.tensor(f"{p}.weight", (o, in_features)) for p, o in zip(prefixes, outs)]
         biases = [self.tensor(f"{p}.bias", (o,)) for p, o in zip(prefixes, outs)] if bias else None
         join = lambda ts: ts[0] if len(ts) == 1 else torch.cat(ts)  # noqa: E731

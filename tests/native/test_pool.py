@@ -150,3 +150,40 @@ def test_a_spin_out_of_range_is_refused():
     for spin in (-1, 100001):
         with pytest.raises(ValueError, match="spin_us"):
             tn.ThreadPool(2, spin)
+
+
+def test_warming_reads_ahead_without_changing_a_result(setup):
+    """ThreadPool.warm (the dense path reading the next linear's weights ahead): the next call's
+    result is the same bits, whether the read-ahead finished or the call cut it short."""
+    _, layer, x, ids, w = setup
+    pool = tn.ThreadPool(2, 1000)
+    lin = tn.Linear("int4", 512, 1024, 32)
+    lin.pack(np.random.default_rng(3).standard_normal((512, 1024), dtype=np.float32), pool)
+    xs = np.random.default_rng(4).standard_normal((1, 1024), dtype=np.float32)
+    expected = np.empty((1, 512), np.float32)
+    lin.forward(xs, expected, pool)
+    for pause in (0.0, 0.002):
+        pool.warm(lin.address, lin.nbytes)
+        time.sleep(pause)
+        out = np.empty_like(expected)
+        lin.forward(xs, out, pool)
+        assert np.array_equal(out, expected)
+    pool.warm(lin.address, 0)  # nothing to read
+
+
+def test_a_warm_request_never_keeps_a_pool_busy(setup):
+    """A request to a sleeping pool is dropped; one to a polling pool ends at the next call (the rest
+    is that call's to read) and the pool sleeps after its spin as before."""
+    _, layer, x, ids, w = setup
+    pool = tn.ThreadPool(2, 1000)
+    big = np.ones(64 << 20, np.uint8)  # touched: every page mapped
+    tn.moe_forward(layer, x, ids, w, np.zeros_like(x), pool)
+    time.sleep(0.05)
+    pool.warm(big.ctypes.data, big.nbytes)
+    assert cpu_seconds_over(0.2) < 0.02
+    for _ in range(3):
+        tn.moe_forward(layer, x, ids, w, np.zeros_like(x), pool)
+        pool.warm(big.ctypes.data, big.nbytes)
+        tn.moe_forward(layer, x, ids, w, np.zeros_like(x), pool)
+    time.sleep(0.05)
+    assert cpu_seconds_over(0.3) < 0.03

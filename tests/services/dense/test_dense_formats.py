@@ -195,3 +195,45 @@ def test_the_native_rms_norm_equals_torchs():
         x, w = torch.randn(shape, generator=gen) * 3, torch.randn(shape[-1], generator=gen)
         theirs = w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
         assert (rms_norm(x, w, 1e-6) - theirs).abs().max().item() <= 1e-5
+
+
+class RecordingPool:
+    def __init__(self):
+        self.warmed = []
+
+    def warm(self, address, nbytes):
+        self.warmed.append((address, nbytes))
+
+
+def decode_logits(model, steps):
+    cache = model.new_cache(64)
+    out = [model.forward(TOKENS[:20], cache, last_only=True)]
+    for _ in range(steps):
+        out.append(model.forward(out[-1].argmax(-1), cache, last_only=True))
+    return torch.cat(out)
+
+
+def test_a_decode_step_warms_each_packed_linear_as_the_one_before_it_returns(family_checkpoint):
+    """The warm chain learns a decode step's order of packed linears from the first step; from then
+    on each call asks the pool to read the next one's weights ahead (capped), prefill-sized calls
+    never do, and the logits are the same bits as with the read-ahead left to a real pool."""
+    from services.dense.weights import WARM_MAX_BYTES
+
+    _, path = family_checkpoint
+    warmed_for_real = decode_logits(packed_model(path, "int8"), 3)
+    model = packed_model(path, "int8")
+    chain, called = model.lm_head.chain, []
+    after = chain.after
+    chain.after = lambda linear: (called.append(linear), after(linear))
+    chain.pool = RecordingPool()
+    model.forward(TOKENS[:20], model.new_cache(64))
+    assert called == [] and chain.pool.warmed == []
+    assert torch.equal(decode_logits(model, 3), warmed_for_real)
+    assert called[0] is model.lm_head  # the prompt's last row
+    called = called[1:]
+    per_step = len(called) // 3
+    step = called[:per_step]
+    assert per_step >= 3 and called == step * 3 and step[-1] is model.lm_head
+    upcoming = step[1:] + step[:1]  # each call's next: the step's later linears, then the next step's first
+    want = [(a, min(n, WARM_MAX_BYTES)) for linear in upcoming for a, n in linear.ranges()]
+    assert chain.pool.warmed[-2 * len(want):] == want * 2

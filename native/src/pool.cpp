@@ -123,10 +123,11 @@ void ThreadPool::warm(const void* p, size_t bytes) {
     warm_pending_ = true;
 }
 
-// Prefetches the queued ranges a page at a time, leaving the rest queued as work arrives.
+// Prefetches the queued ranges a page at a time, leaving the rest queued as work arrives or the
+// pool is parked (the cores are another process's then).
 void ThreadPool::warm_until_work(uint64_t seen) {
     constexpr size_t kStep = 4096;
-    while (warm_pending_.load() && generation_.load() == seen) {
+    while (warm_pending_.load() && generation_.load() == seen && parked_at_.load() != seen) {
         std::pair<const char*, size_t> range;
         {
             std::lock_guard<std::mutex> lock(warm_mu_);

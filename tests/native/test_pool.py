@@ -187,3 +187,15 @@ def test_a_warm_request_never_keeps_a_pool_busy(setup):
         tn.moe_forward(layer, x, ids, w, np.zeros_like(x), pool)
     time.sleep(0.05)
     assert cpu_seconds_over(0.3) < 0.03
+
+
+def test_a_parked_pool_stops_warming_at_once(setup):
+    """park() (the cores handed to a co-located expert server) also ends a read-ahead in progress:
+    half a gigabyte left to read would otherwise keep a helper busy for tens of milliseconds."""
+    _, layer, x, ids, w = setup
+    pool = tn.ThreadPool(2, 100000)
+    big = np.ones(512 << 20, np.uint8)
+    tn.moe_forward(layer, x, ids, w, np.zeros_like(x), pool)
+    pool.warm(big.ctypes.data, big.nbytes)
+    pool.park()
+    assert cpu_seconds_over(0.1) < 0.005

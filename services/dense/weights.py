@@ -64,16 +64,17 @@ class WarmChain:
 
     def __init__(self, pool):
         self.pool = pool
-        self.following: dict[int, tuple[tuple[int, int], ...]] = {}  # id(linear) -> next one's ranges
+        # id(linear) -> (the linear called after it, that one's ranges to read ahead, capped)
+        self.following: dict[int, tuple[object, tuple[tuple[int, int], ...]]] = {}
         self.last = None
 
     def after(self, linear) -> None:
         """Called as `linear` (PackedLinear or PackedLinears) returns from a decode-sized call."""
-        if self.last is not None:
-            self.following[id(self.last)] = linear.ranges()
+        if self.last is not None and self.following.get(id(self.last), (None,))[0] is not linear:
+            self.following[id(self.last)] = (linear, tuple((a, min(n, WARM_MAX_BYTES)) for a, n in linear.ranges()))
         self.last = linear
-        for address, nbytes in self.following.get(id(linear), ()):
-            self.pool.warm(address, min(nbytes, WARM_MAX_BYTES))
+        for address, nbytes in self.following.get(id(linear), (None, ()))[1]:
+            self.pool.warm(address, nbytes)
 
 
 @dataclass(frozen=True)

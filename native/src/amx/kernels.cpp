@@ -3,7 +3,9 @@
 //   32-column block per product, whose int32 sums are then scaled into fp32 exactly as the SIMD
 //   kernels scale them, so a token gets the same bits from either (batch invariance). int8 blocks
 //   are B operands as packed (format.h: a 32-column block of a 16-row tile is the 16 rows' 4-byte
-//   column groups interleaved); 4-bit blocks are expanded to that during a slab's first pass.
+//   column groups interleaved); 4-bit blocks are expanded to that during a slab's first pass. The
+//   tokens' int8 rows are arranged so each A operand is 512 contiguous bytes, and a partial last
+//   token tile scales only its real rows.
 // - bf16 weights: tdpbf16ps of the arranged activations (hi and lo bf16 parts of x, as avx512_bf16
 //   splits them, copied tile by tile as A operands) against each 16-column block twice over,
 //   accumulating in the tiles; blocks are transposed into B operands during a slab's first pass.
@@ -30,6 +32,8 @@ constexpr int kWords = kBlockBytes / 4;      // 4-byte column groups per block
 constexpr int kBTileWords = kWords * kTileN;  // one int8 block of a slab: [8 words][16 rows]
 constexpr int kAmxMinTokens = 16;            // fewer tokens: the SIMD kernels
 constexpr int kTokenChunk = 64;              // tokens per pass over the rows; 4-bit slabs expand once per chunk
+constexpr int kPackedBlock = int_block_bytes(Format::INT4);  // bytes of a 4-bit slab's 32-column block, as packed
+constexpr int kExpandAhead = 8;              // blocks of a 4-bit slab asked for into L1 ahead of their expansion
 
 // The 64-byte operand of ldtilecfg, palette 1: tile t holds rows[t] rows of colsb[t] bytes.
 struct alignas(64) TileConfig {
@@ -82,6 +86,19 @@ void gather_int8(const Activations& x, int i0, int count, int padded, int8_t* q,
     }
 }
 
+// count int8 token rows q [count][C] -> A operands dst [tiles][blocks][16 tokens][32 columns], a
+// tile's rows 32 bytes apart (rows C bytes apart would fall in a few L1 sets); rows past count zero.
+void arrange_int8(const int8_t* q, int count, int cols, int8_t* dst) {
+    const int blocks = cols / kBlock, padded = round_up(count, kTileM);
+    for (int m = 0; m < padded; ++m, q += cols) {
+        int8_t* out = dst + (int64_t(m / kTileM) * blocks * kTileM + m % kTileM) * kBlock;
+        for (int b = 0; b < blocks; ++b, out += kTileM * kBlock) {
+            const __m256i v = m < count ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + b * kBlock)) : _mm256_setzero_si256();
+            _mm256_store_si256(reinterpret_cast<__m256i*>(out), v);
+        }
+    }
+}
+
 // dst[b][n] = the fp16 values at src (a slab's scales or minimums, [groups][16 rows]) as fp32, per
 // 32-column block (a group spans per_group blocks).
 void slab_floats(const uint16_t* src, int blocks, int per_group, float* dst) {
@@ -118,16 +135,27 @@ struct IntOperands {
 
 // Blocks b .. b + n - 1 of a 4-bit slab (o.packed) -> format.h's int8 layout in o.b: each step's
 // low nibbles become one int8 step, its high nibbles the next. (A pair of blocks is expanded while
-// the pair before it is computed: a tile load waits for stores just made to reach the cache.)
+// the pair before it is computed: a tile load waits for stores just made to reach the cache.) The
+// packed blocks kExpandAhead on are asked for into L1: from L2, where the slab's prefetch left them,
+// the expansion's loads cost about 8% of a prefill.
+template <bool Unsigned>
 inline void expand_blocks(const IntOperands& o, int b, int n) {
+    const char* ahead = reinterpret_cast<const char*>(o.packed) + int64_t(b + kExpandAhead) * kPackedBlock;
+    for (int line = 0; line < n * kPackedBlock; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
     constexpr int steps = kBlock / 8;  // a step: 8 columns of 16 rows, 64 bytes packed
     const __m512i mask = _mm512_set1_epi8(0x0f);
     const auto* in = reinterpret_cast<const __m512i*>(o.packed) + b * steps;
     auto* out = reinterpret_cast<__m512i*>(const_cast<uint8_t*>(o.b)) + 2 * b * steps;
     for (int step = 0; step < n * steps; ++step, ++in, out += 2) {
         const __m512i raw = _mm512_loadu_si512(in);
-        _mm512_storeu_si512(out, _mm512_shuffle_epi8(o.table, _mm512_and_si512(raw, mask)));
-        _mm512_storeu_si512(out + 1, _mm512_shuffle_epi8(o.table, _mm512_and_si512(_mm512_srli_epi16(raw, 4), mask)));
+        const __m512i lo = _mm512_and_si512(raw, mask), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), mask);
+        if constexpr (Unsigned) {  // int4_asym: the codes as they are
+            _mm512_storeu_si512(out, lo);
+            _mm512_storeu_si512(out + 1, hi);
+        } else {
+            _mm512_storeu_si512(out, _mm512_shuffle_epi8(o.table, lo));
+            _mm512_storeu_si512(out + 1, _mm512_shuffle_epi8(o.table, hi));
+        }
     }
     operands_ready();
 }
@@ -139,7 +167,7 @@ inline void expand_blocks(const IntOperands& o, int b, int n) {
 #define TANDEM_PRODUCT(c, a, bt, t)                                              \
     do {                                                                         \
         _tile_zero(c);                                                           \
-        _tile_loadd(a, o.q + int64_t(t) * kTileM * o.cols + b * kBlock, o.cols); \
+        _tile_loadd(a, o.q + (int64_t(t) * (o.cols / kBlock) + b) * kTileM * kBlock, kBlock); \
         if constexpr (Unsigned) _tile_dpbsud(c, a, bt);                          \
         else _tile_dpbssd(c, a, bt);                                             \
         _tile_stored(c, buf[t], kTileN * 4);                                     \
@@ -189,53 +217,58 @@ inline void stored(Buffer& buf) {
 
 // acc.row[m] += the int32 sums of block b in buf (token tile t), scaled as the SIMD kernels scale
 // them (scale_block, then min_block for int4_asym): the same fp32 operations in the same order, so
-// the bits agree.
-template <bool Asym, size_t... M>
-inline void scale_product(const IntOperands& o, int b, int t, const int32_t* buf, TileSums& acc,
+// the bits agree. Partial: only rows m < rows (the tile's tokens; the rest are padding).
+template <bool Asym, bool Partial, size_t... M>
+inline void scale_product(const IntOperands& o, int b, int t, const int32_t* buf, TileSums& acc, int rows,
                           std::index_sequence<M...>) {
     const int64_t at = (int64_t(t) * (o.cols / kBlock) + b) * kTileM;
     const __m512 ws = _mm512_loadu_ps(o.ws + b * kTileN);
     const float* xs = o.s + at;
-    ((acc.row[M] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(buf + M * kTileN)),
-                                   _mm512_mul_ps(ws, _mm512_set1_ps(xs[M])), acc.row[M])),
+    ((Partial && int(M) >= rows ? void()
+                                : void(acc.row[M] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(buf + M * kTileN)),
+                                                                    _mm512_mul_ps(ws, _mm512_set1_ps(xs[M])), acc.row[M]))),
      ...);
     if constexpr (Asym) {
         const __m512 mins = _mm512_loadu_ps(o.wm + b * kTileN);
         const float* xmin = o.xmin + at;
-        ((acc.row[M] = _mm512_fmadd_ps(mins, _mm512_set1_ps(xmin[M]), acc.row[M])), ...);
+        ((Partial && int(M) >= rows ? void() : void(acc.row[M] = _mm512_fmadd_ps(mins, _mm512_set1_ps(xmin[M]), acc.row[M]))),
+         ...);
     }
 }
 
+// Block b's sums of each token tile into acc; the last tile holds last_rows tokens.
 template <int Tiles, bool Asym>
-inline void scale_products(const IntOperands& o, int b, int32_t (*buf)[kTileM * kTileN], TileSums* acc) {
+inline void scale_products(const IntOperands& o, int b, int32_t (*buf)[kTileM * kTileN], TileSums* acc, int last_rows) {
     constexpr auto rows = std::make_index_sequence<kTileM>{};
-    for (int t = 0; t < Tiles; ++t) scale_product<Asym>(o, b, t, buf[t], acc[t], rows);
+    for (int t = 0; t + 1 < Tiles; ++t) scale_product<Asym, false>(o, b, t, buf[t], acc[t], kTileM, rows);
+    if (last_rows == kTileM) scale_product<Asym, false>(o, b, Tiles - 1, buf[Tiles - 1], acc[Tiles - 1], kTileM, rows);
+    else scale_product<Asym, true>(o, b, Tiles - 1, buf[Tiles - 1], acc[Tiles - 1], last_rows, rows);
 }
 
 // y[m * ldy + n] = dot(slab row n, token m) for m < count (count <= 16 * Tiles): each block's B
 // operand loaded once for both token tiles.
 template <int Tiles, bool Unsigned>
 void int_product(const IntOperands& o, int count, float* y, int ldy) {
-    const int blocks = o.cols / kBlock;
+    const int blocks = o.cols / kBlock, last_rows = count - (Tiles - 1) * kTileM;
     alignas(64) int32_t buf[2][Tiles][kTileM * kTileN];
     TileSums acc[Tiles];
     for (auto& tile : acc)
         for (auto& a : tile.row) a = _mm512_setzero_ps();
-    if (o.packed) expand_blocks(o, 0, std::min(2, blocks));  // then each pair expands the next one
+    if (o.packed) expand_blocks<Unsigned>(o, 0, std::min(2, blocks));  // then each pair expands the next one
     int b = 0;
     for (; b + 2 <= blocks; b += 2) {
         if (o.next) prefetch_ahead(o, b, !o.packed);
-        if (o.packed) expand_blocks(o, b + 2, std::min(2, blocks - b - 2));
+        if (o.packed) expand_blocks<Unsigned>(o, b + 2, std::min(2, blocks - b - 2));
         block_products<0, Tiles, Unsigned>(o, b, buf[0]);
         block_products<1, Tiles, Unsigned>(o, b + 1, buf[1]);
         stored(buf);
-        scale_products<Tiles, Unsigned>(o, b, buf[0], acc);
-        scale_products<Tiles, Unsigned>(o, b + 1, buf[1], acc);
+        scale_products<Tiles, Unsigned>(o, b, buf[0], acc, last_rows);
+        scale_products<Tiles, Unsigned>(o, b + 1, buf[1], acc, last_rows);
     }
     if (b < blocks) {
         block_products<0, Tiles, Unsigned>(o, b, buf[0]);
         stored(buf);
-        scale_products<Tiles, Unsigned>(o, b, buf[0], acc);
+        scale_products<Tiles, Unsigned>(o, b, buf[0], acc, last_rows);
     }
     for (int m = 0; m < count; ++m) _mm512_storeu_ps(y + int64_t(m) * ldy, acc[m / kTileM].row[m % kTileM]);
 }
@@ -272,7 +305,7 @@ void matmul_int_tiles(const Matrix& w, int r0, int r1, const Activations& x, int
     if (n < kAmxMinTokens) return matmul_int_simd(w, r0, r1, x, n, y, ldy);
     const bool asym = w.format == Format::INT4_ASYM, expand = w.format != Format::INT8;
     const int cols = w.cols, blocks = cols / kBlock, tiles = kTokenChunk / kTileM;
-    thread_local AlignedVector<int8_t> q;
+    thread_local AlignedVector<int8_t> q, arranged;
     thread_local std::vector<float> s, ws, wm, st;
     thread_local std::vector<float> xmin;
     thread_local std::vector<int32_t> sums;
@@ -282,6 +315,7 @@ void matmul_int_tiles(const Matrix& w, int r0, int r1, const Activations& x, int
         s.resize(size_t(kTokenChunk) * blocks);
         sums.resize(asym ? size_t(kTokenChunk) * blocks : 0);
     }
+    arranged.resize(size_t(kTokenChunk) * cols);
     st.resize(size_t(kTokenChunk) * blocks);
     xmin.resize(asym ? size_t(kTokenChunk) * blocks : 0);
     ws.resize(size_t(kTileN) * blocks);
@@ -295,7 +329,7 @@ void matmul_int_tiles(const Matrix& w, int r0, int r1, const Activations& x, int
     TileScope tile_unit(kIntTiles);
     for (int i0 = 0; i0 < n; i0 += kTokenChunk) {
         const int count = std::min(kTokenChunk, n - i0);
-        // Rows as they lie where they are contiguous (prepare pads past the last), else gathered.
+        // Rows as they lie where they are contiguous, else gathered; then arranged as A operands.
         const int8_t* tq = x.q + int64_t(i0) * cols;
         const float* ts = x.s + int64_t(i0) * blocks;
         const int32_t* tsums = asym ? x.sums + int64_t(i0) * blocks : nullptr;
@@ -303,6 +337,8 @@ void matmul_int_tiles(const Matrix& w, int r0, int r1, const Activations& x, int
             gather_int8(x, i0, count, round_up(count, kTileM), q.data(), s.data(), sums.data());
             tq = q.data(), ts = s.data(), tsums = asym ? sums.data() : nullptr;
         }
+        arrange_int8(tq, count, cols, arranged.data());
+        tq = arranged.data();
         for (int t = 0; t * kTileM < count && t < tiles; ++t) {
             const size_t at = size_t(t) * kTileM * blocks;
             transpose_tokens(ts + at, asym ? tsums + at : nullptr, blocks, st.data() + at, asym ? xmin.data() + at : nullptr);

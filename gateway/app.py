@@ -20,7 +20,7 @@ from gateway.chat.router import router as chat_router
 from gateway.completions.router import router as completions_router
 from gateway.config import GatewayConfig
 from gateway.dense_client import DenseClient
-from gateway.errors import ApiError, ErrorBody, from_grpc
+from gateway.errors import ApiError, ErrorBody, FieldError, from_grpc
 from gateway.metrics import Metrics
 from gateway.models.router import router as models_router
 from gateway.tokenize.router import router as tokenize_router
@@ -83,6 +83,9 @@ def _validation_error(exc: RequestValidationError) -> ApiError:
     first = exc.errors()[0] if exc.errors() else {}
     if first.get("type") == "json_invalid":
         return ApiError(400, f"malformed JSON: {first.get('ctx', {}).get('error', 'cannot parse the body')}")
+    error = first.get("ctx", {}).get("error")
+    if isinstance(error, FieldError):
+        return ApiError(400, str(error), error.param, "invalid_value")
     loc = [str(x) for x in first.get("loc", ()) if x != "body"]
     param = ".".join(loc) or None
     return ApiError(400, f"{param or 'body'}: {first.get('msg', 'invalid value')}", param, "invalid_value")

@@ -24,6 +24,14 @@ class ErrorBody(BaseModel):
     error: ErrorDetail
 
 
+class FieldError(ValueError):
+    """A request field's value is wrong in a way its type cannot say; param names the field."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(f"{param}: {message}")
+        self.param = param
+
+
 class ApiError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
                  headers: dict | None = None):

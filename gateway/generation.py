@@ -13,9 +13,9 @@ from typing import Annotated
 
 import grpc
 from opentelemetry import trace
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from gateway.errors import ApiError, from_grpc
+from gateway.errors import ApiError, FieldError, from_grpc
 from gateway.metrics import Metrics
 from services.common import telemetry
 from tandem.v1 import dense_pb2 as pb
@@ -24,15 +24,52 @@ log = logging.getLogger(__name__)
 _tracer = telemetry.tracer("tandem.gateway")
 FINISH = {pb.STOP: "stop", pb.LENGTH: "length", pb.ABORT: "abort"}
 INT32 = 2**31  # the dense protocol's integer fields hold 32 bits
+MAX_BIAS = 100.0
 TokenId = Annotated[int, Field(ge=0, lt=INT32)]
 Count = Annotated[int, Field(ge=1, lt=INT32)]
 
 
+def lone_surrogate(value, path: str = "") -> str | None:
+    """The path of the first string (key or value) in a parsed JSON body that is not valid Unicode:
+    JSON's \\ud800 escapes parse to lone surrogates, which no tokenizer or protobuf string takes."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path or "body"
+        return None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        where = f"{path}[{key}]" if isinstance(key, int) else f"{path}.{key}" if path else str(key)
+        found = lone_surrogate(key, where) if isinstance(key, str) else None
+        found = found or lone_surrogate(item, where)
+        if found:
+            return found
+    return None
+
+
+class RequestBody(BaseModel):
+    """A request model whose every string is valid Unicode (else a 400 naming the field)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data):
+        where = lone_surrogate(data)
+        if where:
+            raise FieldError(where, "holds a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff escape), "
+                                    "which is not valid Unicode")
+        return data
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # usage so far on every chunk (vLLM's extension)
 
 
-class SamplingFields(BaseModel):
+Bias = Annotated[float, Field(allow_inf_nan=False)]
+
+
+class SamplingFields(RequestBody):
     """The OpenAI parameters both endpoints take, plus the extras clients send via extra_body."""
 
     model_config = ConfigDict(extra="allow")
@@ -56,7 +93,7 @@ class SamplingFields(BaseModel):
     stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0, lt=INT32)
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, Bias] | None = None  # token id (as a string) -> bias, clamped to [-100, 100]
 
     def check_supported(self) -> None:
         extra = sorted(self.model_extra or {})
@@ -66,11 +103,18 @@ class SamplingFields(BaseModel):
             value = self.model_extra[name]
             if name in unsupported and value not in (None, [], {}, "none", "auto") and value != {"type": "text"}:
                 raise ApiError(400, f"{name} is not supported by this server yet", name, "unsupported_parameter")
-        if self.logit_bias:
-            raise ApiError(400, "logit_bias is not supported by this server yet", "logit_bias", "unsupported_parameter")
         ignored = [n for n in extra if n not in unsupported]
         if ignored:
             log.warning("ignoring unknown request fields: %s", ", ".join(ignored))
+
+    def bias(self) -> dict[int, float]:
+        """logit_bias with integer keys and values clamped to [-100, 100] (as OpenAI does)."""
+        out = {}
+        for key, value in (self.logit_bias or {}).items():
+            if not key.strip().isdigit() or int(key) >= INT32:
+                raise ApiError(400, f"logit_bias: keys must be token ids, got {key!r}", "logit_bias")
+            out[int(key)] = min(max(value, -MAX_BIAS), MAX_BIAS)
+        return out
 
     def stops(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -86,6 +130,7 @@ def generate_request(req: SamplingFields, prompt: list[int], logprobs: int | Non
         s.top_k = max(req.top_k, 0)
     if req.seed is not None:
         s.seed = (req.seed + index) % 2**63
+    s.logit_bias.update(req.bias())
     stopping = pb.StoppingCriteria(min_tokens=req.min_tokens, ignore_eos=req.ignore_eos)
     max_tokens = req.max_completion_tokens or req.max_tokens
     if max_tokens is not None:

@@ -27,8 +27,15 @@ class Metrics:
         self.engine_running = Gauge(PREFIX + "num_requests_running", "Sequences the engine is decoding", registry=r)
         self.engine_waiting = Gauge(PREFIX + "num_requests_waiting", "Requests waiting for KV cache", registry=r)
         self.kv_usage = Gauge(PREFIX + "kv_cache_usage_perc", "Fraction of KV cache blocks in use", registry=r)
+        self.preemptions = Counter(PREFIX + "num_preemptions", "Running requests paused to free KV blocks",
+                                   registry=r)
+        self._preempted = 0  # the dense service's count at the last poll
 
     def engine(self, stats) -> None:
         self.engine_running.set(stats.running)
         self.engine_waiting.set(stats.waiting)
         self.kv_usage.set(stats.kv_blocks_used / stats.kv_blocks_total if stats.kv_blocks_total else 0.0)
+        # the service's count is cumulative; one below the last poll means the service restarted
+        self.preemptions.inc(stats.preemptions - self._preempted if stats.preemptions >= self._preempted
+                             else stats.preemptions)
+        self._preempted = stats.preemptions

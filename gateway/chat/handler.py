@@ -32,7 +32,8 @@ async def create(body: ChatRequest, request: Request):
     runner = Runner(state, "chat", body)
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     if body.stream:
-        return StreamingResponse(guarded(_events(body, runner, requests, rid, created)), media_type="text/event-stream")
+        events = _events(body, runner, requests, len(prompt), rid, created)
+        return StreamingResponse(guarded(events), media_type="text/event-stream")
     choices = await runner.collect(requests, request.is_disconnected)
     return ChatResponse(
         id=rid, created=created, model=body.model,
@@ -43,23 +44,27 @@ async def create(body: ChatRequest, request: Request):
     )
 
 
-async def _events(body: ChatRequest, runner: Runner, requests, rid: str, created: int) -> AsyncIterator[dict]:
+async def _events(body: ChatRequest, runner: Runner, requests, prompt_tokens: int, rid: str, created: int
+                  ) -> AsyncIterator[dict]:
+    completion = 0
+    options = body.stream_options
+
     def chunk(choices, **extra):
+        if options and options.continuous_usage_stats and "usage" not in extra:
+            extra["usage"] = usage(prompt_tokens, completion)
         return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": body.model,
                 "choices": choices, **extra}
 
     for i in range(body.n):
         yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                       "finish_reason": None}])
-    completion, prompt = 0, 0
     async for piece in runner.stream(requests):
         r = piece.response
         completion += len(r.token_ids)
-        prompt = r.usage.prompt_tokens or prompt
         if r.text or r.logprobs:
             lp = token_logprobs(r.logprobs).model_dump() if body.logprobs else None
             yield chunk([{"index": piece.index, "delta": {"content": r.text}, "logprobs": lp, "finish_reason": None}])
         if piece.finish_reason:
             yield chunk([{"index": piece.index, "delta": {}, "logprobs": None, "finish_reason": piece.finish_reason}])
-    if body.stream_options and body.stream_options.include_usage:
-        yield chunk([], usage=usage(prompt, completion))
+    if options and options.include_usage:
+        yield chunk([], usage=usage(prompt_tokens, completion))

@@ -1,10 +1,13 @@
-"""Completions: a prompt string or token ids, n choices, answered whole or streamed."""
+"""Completions: one prompt or a list (strings or token ids), n choices each, answered whole or
+streamed. Choice i * n + j is prompt i's choice j, as OpenAI numbers them; echo puts each prompt's
+text before its choices' text."""
 
 from __future__ import annotations
 
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
@@ -16,23 +19,40 @@ from gateway.errors import ApiError
 from gateway.generation import Runner, generate_request, usage
 from gateway.sse import guarded
 
+MAX_CHOICES = 128  # prompts x n in one request
 
-async def prompt_ids(state, body: CompletionRequest) -> list[int]:
+
+@dataclass(frozen=True)
+class Prompt:
+    ids: list[int]
+    text: str  # what echo returns: the prompt as sent, or its ids' text
+
+
+def prompt_list(body: CompletionRequest) -> list[str | list[int]]:
     p = body.prompt
-    if isinstance(p, list) and p and not isinstance(p[0], int):
-        if len(p) != 1:
-            raise ApiError(400, "prompt: one prompt per request is supported (use n for several choices)", "prompt")
-        p = p[0]
-    if isinstance(p, str):
-        return await state.call(state.client.tokenize(p, True))
-    if not p:
+    prompts = p if isinstance(p, list) and p and not isinstance(p[0], int) else [p]
+    if not prompts or any(not q for q in prompts if isinstance(q, list)):
         raise ApiError(400, "prompt: must not be empty", "prompt")
-    return list(p)
+    if len(prompts) * body.n > MAX_CHOICES:
+        raise ApiError(400, f"prompt: {len(prompts)} prompts x n={body.n} is more than {MAX_CHOICES} choices", "prompt")
+    return prompts
+
+
+async def prompts_of(state, body: CompletionRequest) -> list[Prompt]:
+    out = []
+    for p in prompt_list(body):
+        if isinstance(p, str):
+            out.append(Prompt(await state.call(state.client.tokenize(p, True)), p))
+        else:
+            text = await state.call(state.client.detokenize(list(p), False)) if body.echo else ""
+            out.append(Prompt(list(p), text))
+    return out
 
 
 def check_options(body: CompletionRequest) -> None:
-    if body.echo:
-        raise ApiError(400, "echo is not supported by this server yet", "echo", "unsupported_parameter")
+    if body.echo and body.logprobs is not None:
+        raise ApiError(400, "echo with logprobs (the prompt's logprobs) is not supported by this server yet", "echo",
+                       "unsupported_parameter")
     if body.suffix:
         raise ApiError(400, "suffix is not supported by this server yet", "suffix", "unsupported_parameter")
     if body.best_of is not None and body.best_of != body.n:
@@ -45,33 +65,45 @@ async def create(body: CompletionRequest, request: Request):
     await state.check_model(body.model)
     body.check_supported()
     check_options(body)
-    prompt = await prompt_ids(state, body)
-    requests = [generate_request(body, prompt, body.logprobs, i) for i in range(body.n)]
+    prompts = await prompts_of(state, body)
+    requests = [generate_request(body, p.ids, body.logprobs, i * body.n + j)
+                for i, p in enumerate(prompts) for j in range(body.n)]
     runner = Runner(state, "text_completion", body)
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+    prompt_tokens = sum(len(p.ids) for p in prompts)
     if body.stream:
-        return StreamingResponse(guarded(_events(body, runner, requests, rid, created)), media_type="text/event-stream")
+        events = _events(body, runner, requests, prompts, prompt_tokens, rid, created)
+        return StreamingResponse(guarded(events), media_type="text/event-stream")
     choices = await runner.collect(requests, request.is_disconnected)
+    echo = [prompts[c.index // body.n].text if body.echo else "" for c in choices]
     return CompletionResponse(
         id=rid, created=created, model=body.model,
-        choices=[CompletionChoice(index=c.index, text=c.text, finish_reason=c.finish_reason,
+        choices=[CompletionChoice(index=c.index, text=e + c.text, finish_reason=c.finish_reason,
                                   logprobs=completion_logprobs(c.logprobs) if body.logprobs is not None else None)
-                 for c in choices],
-        usage=Usage(**usage(len(prompt), sum(len(c.token_ids) for c in choices))),
+                 for c, e in zip(choices, echo)],
+        usage=Usage(**usage(prompt_tokens, sum(len(c.token_ids) for c in choices))),
     )
 
 
-async def _events(body: CompletionRequest, runner: Runner, requests, rid: str, created: int) -> AsyncIterator[dict]:
+async def _events(body: CompletionRequest, runner: Runner, requests, prompts: list[Prompt], prompt_tokens: int,
+                  rid: str, created: int) -> AsyncIterator[dict]:
+    completion = 0
+    options = body.stream_options
+
     def chunk(choices, **extra):
+        if options and options.continuous_usage_stats and "usage" not in extra:
+            extra["usage"] = usage(prompt_tokens, completion)
         return {"id": rid, "object": "text_completion", "created": created, "model": body.model,
                 "choices": choices, **extra}
 
-    completion, prompt = 0, 0
-    offsets = [0] * body.n
+    offsets = [0] * len(requests)
+    if body.echo:
+        for i in range(len(requests)):
+            offsets[i] = len(prompts[i // body.n].text)
+            yield chunk([{"index": i, "text": prompts[i // body.n].text, "logprobs": None, "finish_reason": None}])
     async for piece in runner.stream(requests):
         r = piece.response
         completion += len(r.token_ids)
-        prompt = r.usage.prompt_tokens or prompt
         if r.text or r.logprobs or piece.finish_reason:
             lp = None
             if body.logprobs is not None:
@@ -79,5 +111,5 @@ async def _events(body: CompletionRequest, runner: Runner, requests, rid: str, c
             offsets[piece.index] += len(r.text)
             yield chunk([{"index": piece.index, "text": r.text, "logprobs": lp,
                           "finish_reason": piece.finish_reason}])
-    if body.stream_options and body.stream_options.include_usage:
-        yield chunk([], usage=usage(prompt, completion))
+    if options and options.include_usage:
+        yield chunk([], usage=usage(prompt_tokens, completion))

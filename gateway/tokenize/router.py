@@ -6,12 +6,12 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, Field
 
 from gateway.errors import ERROR_RESPONSES
-from gateway.generation import TokenId
+from gateway.generation import RequestBody, TokenId
 
 router = APIRouter()
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(RequestBody):
     model: str | None = None
     prompt: str
     add_special_tokens: bool = True
@@ -23,7 +23,7 @@ class TokenizeResponse(BaseModel):
     max_model_len: int
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(RequestBody):
     model: str | None = None
     tokens: list[TokenId] = Field(max_length=1 << 20)
 

@@ -2,9 +2,13 @@
 
 Each step takes every running sequence's next token plus prompt chunks (up to a token budget, so a
 long prompt never stalls running decodes), runs them as one batch (one expert call per MoE layer),
-samples per request, and streams outputs. New requests join between steps. A request reserves the
-KV blocks for its prompt plus max_tokens when admitted, so a running request never runs out of
-cache; requests that do not fit wait in a bounded queue, and past it are refused.
+samples per request, and streams outputs. New requests join between steps. KV blocks are taken as
+sequences grow: a request is admitted when its prompt fits with a block of headroom per running
+sequence, and when a step's sequences need more blocks than are free, the most recently admitted
+running request is preempted (its blocks freed, itself queued first to resume by prefilling all it
+has so far) rather than any request failing. A request without max_tokens runs until EOS, a stop,
+or the end of the context (or of the whole cache, if that is smaller). Requests that do not fit
+wait in a bounded queue, and past it are refused.
 T tokens of a step, V vocabulary size.
 """
 
@@ -49,8 +53,8 @@ class Engine:
         self.model, self.cfg = model, cfg
         self.pool = BlockPool(model.cfg, cfg.kv_blocks, cfg.block_size, model.dtype, model.device)
         self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
-        self.reserved = 0
+        self.running: list[Request] = []  # in order of admission
+        self.preemptions = 0
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)
         self._stopped = False
@@ -71,23 +75,31 @@ class Engine:
         return request
 
     def _validate(self, request: Request) -> None:
-        n, limit = len(request.prompt), self.model.cfg.max_position_embeddings
+        """Refuses what can never run; sets the request's limit (max_tokens, capped by the context)."""
+        n, limit, wanted = len(request.prompt), self.model.cfg.max_position_embeddings, request.params.max_tokens
         if n == 0:
             raise InvalidRequestError("prompt: must hold at least one token")
-        if n + request.params.max_tokens > limit:
+        if wanted is not None and n + wanted > limit:
             raise InvalidRequestError(
-                f"prompt ({n} tokens) + max_tokens ({request.params.max_tokens}) = {n + request.params.max_tokens} "
-                f"exceeds the model's context length of {limit}"
+                f"prompt ({n} tokens) + max_tokens ({wanted}) = {n + wanted} exceeds the model's context length "
+                f"of {limit}"
             )
+        if n >= limit:
+            raise InvalidRequestError(f"prompt ({n} tokens) leaves no room to generate in the model's context length "
+                                      f"of {limit}")
         vocab = self.model.cfg.vocab_size
         if any(not 0 <= t < vocab for t in request.prompt):
             raise InvalidRequestError(f"prompt: token ids must be in [0, {vocab})")
-        need = self.pool.blocks_for(n + request.params.max_tokens)
-        if need > self.pool.num_blocks:
+        outside = [t for t, _ in request.params.logit_bias if t >= vocab]
+        if outside:
+            raise InvalidRequestError(f"logit_bias: token id {outside[0]} is not in the vocabulary [0, {vocab})")
+        capacity = self.pool.num_blocks * self.pool.block_size
+        if n + (wanted or 1) > capacity:
             raise ResourceExhaustedError(
-                f"prompt + max_tokens = {n + request.params.max_tokens} tokens is more than the whole KV cache "
-                f"({self.pool.num_blocks * self.pool.block_size} tokens)"
+                f"prompt + max_tokens = {n + (wanted or 1)} tokens is more than the whole KV cache "
+                f"({capacity} tokens)"
             )
+        request.limit = min(wanted or limit, limit - n, capacity - n)
 
     def abort(self, request: Request) -> None:
         """Marks a request cancelled; it leaves at the next step and its blocks are freed."""
@@ -100,8 +112,16 @@ class Engine:
         return self.pool.used_blocks
 
     def _fits_now(self, request: Request) -> bool:
-        need = self.pool.blocks_for(len(request.prompt) + request.params.max_tokens)
-        return self.reserved + need <= self.pool.num_blocks and len(self.running) < self.cfg.max_running
+        """Room for its prefill and first token besides what the running sequences will take for
+        theirs, with a block to grow into for each of them."""
+        need = self._next_blocks(request) + sum(self._next_blocks(r) + 1 for r in self.running)
+        return need <= self.pool.free_blocks and len(self.running) < self.cfg.max_running
+
+    def _next_blocks(self, request: Request) -> int:
+        """Blocks it still needs before its next token is sampled."""
+        held = len(request.cache.blocks) if request.cache is not None else 0
+        length = request.cache.length if request.cache is not None else 0
+        return max(self.pool.blocks_for(max(length, len(request.target)) + 1) - held, 0)
 
     # --- the loop ---------------------------------------------------------------------------------
     def start(self) -> None:
@@ -162,24 +182,40 @@ class Engine:
         with self._lock:
             while self.waiting and self._fits_now(self.waiting[0]):
                 request = self.waiting.popleft()
-                request.reserved = self.pool.blocks_for(len(request.prompt) + request.params.max_tokens)
                 request.cache = PagedSequence(self.pool)
-                request.admitted_ns = time.time_ns()
-                self.reserved += request.reserved
+                request.admitted_ns = request.admitted_ns or time.time_ns()
                 self.running.append(request)
 
     def _plan(self) -> list[tuple[Request, Chunk, int | None]]:
-        """(request, chunk, logit row or None) for this step: decodes first, then prompt chunks."""
+        """This step's batch, preempting the latest admitted requests while it needs more blocks than are free."""
+        while True:
+            batch = self._batch()
+            need = sum(self.pool.blocks_for(r.cache.length + len(c.tokens)) - len(r.cache.blocks) for r, c, _ in batch)
+            if need <= self.pool.free_blocks or len(self.running) <= 1:
+                return batch
+            self._preempt(self.running[-1])
+
+    def _batch(self) -> list[tuple[Request, Chunk, int | None]]:
+        """(request, chunk, logit row or None) for this step: decodes first, then prefill chunks."""
         budget, rows, batch = self.cfg.max_batch_tokens, 0, []
         for request in sorted(self.running, key=lambda r: r.prefilling):
             if budget <= 0:
                 break
             tokens = request.next_tokens(budget)
-            done_prompt = not request.prefilling or request.prefilled + len(tokens) == len(request.prompt)
+            done_prefill = not request.prefilling or request.prefilled + len(tokens) == len(request.target)
             rows += len(tokens)
-            batch.append((request, Chunk(tokens, request.cache), rows - 1 if done_prompt else None))
+            batch.append((request, Chunk(tokens, request.cache), rows - 1 if done_prefill else None))
             budget -= len(tokens)
         return batch
+
+    def _preempt(self, request: Request) -> None:
+        log.info("preempting %s (%d tokens so far) to free KV blocks", request.request_id,
+                 len(request.prompt) + len(request.generated))
+        with self._lock:
+            self.running.remove(request)
+            request.preempt()
+            self.waiting.appendleft(request)
+        self.preemptions += 1
 
     def _emit(self, batch, logits: torch.Tensor) -> None:
         i = 0
@@ -206,7 +242,6 @@ class Engine:
                 self.waiting.remove(request)
             if request in self.running:
                 self.running.remove(request)
-                self.reserved -= request.reserved
             if request.cache is not None:
                 request.cache.free()
                 request.cache = None

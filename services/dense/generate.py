@@ -24,7 +24,8 @@ class Generation:
 def outputs(model: MoeDecoder, prompt: list[int], params: SamplingParams, eos_ids=(), tokenizer=None
             ) -> Iterator[Output]:
     """Streams the request's outputs; a failure raises its domain error."""
-    blocks = -(-(len(prompt) + params.max_tokens) // BLOCK)
+    limit = model.cfg.max_position_embeddings
+    blocks = -(-min(len(prompt) + (params.max_tokens or limit), limit) // BLOCK)
     engine = Engine(model, EngineConfig(kv_blocks=max(blocks, 1), block_size=BLOCK,
                                         max_batch_tokens=max(len(prompt), 1), max_queue=0))
     request = engine.submit(Request("local", list(prompt), params, tuple(eos_ids), tokenizer))

@@ -40,10 +40,11 @@ class Request:
     tokenizer: object | None = None
     deadline: float | None = None  # time.monotonic() after which the request is dropped
     outputs: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
-    prefilled: int = 0  # prompt tokens already in the cache
+    prefilled: int = 0  # tokens of `target` already in the cache
     cache: object | None = None  # the PagedSequence, while running
-    reserved: int = 0  # KV blocks reserved for the whole request
+    limit: int | None = None  # tokens it may generate: max_tokens, capped by the context (set by the engine)
     cancelled: bool = False
+    preempted: int = 0  # times its blocks were taken back to let others run
     span: object | None = None  # the request's trace span, when traced
     submitted_ns: int = field(default_factory=time.time_ns)
     admitted_ns: int | None = None
@@ -55,6 +56,9 @@ class Request:
         self.sampler = Sampler(self.params, history=list(self.prompt), barred=barred)
         self.stop_ids = set(stop_ids) | (set() if self.params.ignore_eos else set(self.eos_ids))
         self.detokenizer = Detokenizer(self.tokenizer, self.prompt, self.params.stop) if self.tokenizer else None
+        self.target = self.prompt  # what prefill puts in the cache: the prompt, or after a preemption all so far
+        if self.limit is None:
+            self.limit = self.params.max_tokens
 
     @property
     def generated(self) -> list[int]:
@@ -62,13 +66,22 @@ class Request:
 
     @property
     def prefilling(self) -> bool:
-        return self.prefilled < len(self.prompt)
+        return self.prefilled < len(self.target)
 
     def next_tokens(self, budget: int) -> torch.Tensor:
-        """The tokens this request feeds in the next step: a prompt chunk, or its last sampled token."""
+        """The tokens this request feeds in the next step: a prefill chunk, or its last sampled token."""
         if self.prefilling:
-            return torch.tensor(self.prompt[self.prefilled:self.prefilled + budget])
+            return torch.tensor(self.target[self.prefilled:self.prefilled + budget])
         return torch.tensor(self.generated[-1:])
+
+    def preempt(self) -> None:
+        """Gives its cache back; it resumes by prefilling everything so far (then samples on as if
+        it had never stopped: the sampler and detokenizer keep their state)."""
+        self.cache.free()
+        self.cache = None
+        self.target = self.prompt + self.generated
+        self.prefilled = 0
+        self.preempted += 1
 
     def expired(self, now: float) -> bool:
         return self.deadline is not None and now > self.deadline
@@ -82,7 +95,7 @@ class Request:
             reason = "stop"
         elif self.detokenizer and self.detokenizer.stopped_by is not None:
             reason = "stop"
-        elif len(self.generated) >= self.params.max_tokens:
+        elif self.limit is not None and len(self.generated) >= self.limit:
             reason = "length"
         if self.first_token_ns is None:
             self.first_token_ns = time.time_ns()

@@ -7,6 +7,7 @@ V vocabulary size.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -15,6 +16,7 @@ import torch
 from services.common.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20
+MAX_BIAS = 100.0  # a logit_bias value's bound: -100 bans a token, +100 forces it, in practice
 
 
 @dataclass(frozen=True)
@@ -23,7 +25,7 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0  # 0: no limit
     seed: int | None = None
-    max_tokens: int = 16
+    max_tokens: int | None = None  # None: until EOS, a stop, or the end of the context
     min_p: float = 0.0
     repetition_penalty: float = 1.0  # > 1 discourages any token already in the prompt or output
     presence_penalty: float = 0.0  # subtracted once from tokens already generated
@@ -33,18 +35,19 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None: no logprobs; n: the chosen token's and the n most likely
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), clamped to +-MAX_BIAS
 
     def __post_init__(self):
         _check(self.temperature >= 0, "temperature", f"must be >= 0, got {self.temperature}")
         _check(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
         _check(self.top_k >= 0, "top_k", f"must be >= 0, got {self.top_k}")
-        _check(self.max_tokens >= 1, "max_tokens", f"must be >= 1, got {self.max_tokens}")
+        _check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens", f"must be >= 1, got {self.max_tokens}")
         _check(0 <= self.min_p <= 1, "min_p", f"must be in [0, 1], got {self.min_p}")
         _check(self.repetition_penalty > 0, "repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
         _check(-2 <= self.presence_penalty <= 2, "presence_penalty", f"must be in [-2, 2], got {self.presence_penalty}")
         _check(-2 <= self.frequency_penalty <= 2, "frequency_penalty",
                f"must be in [-2, 2], got {self.frequency_penalty}")
-        _check(0 <= self.min_tokens <= self.max_tokens, "min_tokens",
+        _check(0 <= self.min_tokens <= (self.max_tokens or self.min_tokens), "min_tokens",
                f"must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", "stop strings must be non-empty strings")
         _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
@@ -52,6 +55,9 @@ class SamplingParams:
         _check(self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs",
                f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         _check(self.seed is None or 0 <= self.seed < 2**63, "seed", f"must be in [0, 2**63), got {self.seed}")
+        _check(all(isinstance(t, int) and t >= 0 for t, _ in self.logit_bias), "logit_bias",
+               "keys must be non-negative token ids")
+        _check(all(math.isfinite(v) for _, v in self.logit_bias), "logit_bias", "values must be finite numbers")
 
     @property
     def greedy(self) -> bool:
@@ -87,6 +93,9 @@ class Sampler:
             self.generator.seed()
         self._counts: Counter = Counter()
         self._seen = set(self.history)
+        bias = self.params.logit_bias
+        self._bias_ids = torch.tensor([t for t, _ in bias], dtype=torch.long)
+        self._bias = torch.tensor([v for _, v in bias], dtype=torch.float32).clamp(-MAX_BIAS, MAX_BIAS)
 
     def __call__(self, logits: torch.Tensor) -> int:
         """logits [V] -> the next token id (recorded as generated)."""
@@ -102,6 +111,8 @@ class Sampler:
 
     def _process(self, logits: torch.Tensor) -> torch.Tensor:
         p = self.params
+        if p.logit_bias:
+            logits.index_add_(0, self._bias_ids, self._bias)
         if p.repetition_penalty != 1 and self._seen:
             ids = torch.tensor(sorted(self._seen))
             picked = logits[ids]

@@ -55,11 +55,11 @@ def sampling_params(req: pb.GenerateRequest) -> SamplingParams:
 
     return SamplingParams(
         temperature=opt(s, "temperature", 1.0), top_p=opt(s, "top_p", 1.0), top_k=opt(s, "top_k", 0),
-        seed=opt(s, "seed", None), max_tokens=opt(st, "max_tokens", 16), min_p=opt(s, "min_p", 0.0),
+        seed=opt(s, "seed", None), max_tokens=opt(st, "max_tokens", None), min_p=opt(s, "min_p", 0.0),
         repetition_penalty=opt(s, "repetition_penalty", 1.0), presence_penalty=opt(s, "presence_penalty", 0.0),
         frequency_penalty=opt(s, "frequency_penalty", 0.0), min_tokens=st.min_tokens, stop=tuple(stops),
         stop_token_ids=tuple(stop_ids), ignore_eos=st.ignore_eos,
-        logprobs=req.logprobs if req.HasField("logprobs") else None,
+        logprobs=req.logprobs if req.HasField("logprobs") else None, logit_bias=tuple(sorted(s.logit_bias.items())),
     )
 
 
@@ -142,4 +142,4 @@ class DenseServicer(pb_grpc.DenseServiceServicer):
     def GetStats(self, request, context):
         e = self.engine
         return pb.GetStatsResponse(running=len(e.running), waiting=len(e.waiting), kv_blocks_used=e.blocks_in_use,
-                                   kv_blocks_total=e.pool.num_blocks)
+                                   kv_blocks_total=e.pool.num_blocks, preemptions=e.preemptions)

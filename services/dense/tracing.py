@@ -15,10 +15,10 @@ _tracer = telemetry.tracer("tandem.dense")
 
 def start_request(parent, request) -> None:
     """Opens the request's span under the caller's context (from gRPC metadata), if it is traced."""
-    span = _tracer.start_span("generate", context=parent, kind=trace.SpanKind.SERVER, attributes={
-        "tandem.request_id": request.request_id, "gen_ai.usage.input_tokens": len(request.prompt),
-        "gen_ai.request.max_tokens": request.params.max_tokens,
-    })
+    attributes = {"tandem.request_id": request.request_id, "gen_ai.usage.input_tokens": len(request.prompt)}
+    if request.params.max_tokens is not None:
+        attributes["gen_ai.request.max_tokens"] = request.params.max_tokens
+    span = _tracer.start_span("generate", context=parent, kind=trace.SpanKind.SERVER, attributes=attributes)
     request.span = span if span.is_recording() else None
 
 

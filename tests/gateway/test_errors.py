@@ -120,12 +120,12 @@ def test_backend_down_is_503_and_health_says_so():
 
 def test_full_dense_service_is_429_with_retry_after(slow):
     url, running = slow
-    with httpx.stream("POST", url + "/v1/completions", timeout=60,
-                      json={"model": PATH.name, "prompt": "hi", "max_tokens": 200, "stream": True, "ignore_eos": True}) as hog:
-        lines = hog.iter_lines()  # kept: a dropped iterator closes the connection (a disconnect)
+    hog = {"model": PATH.name, "prompt": [5] * 230, "max_tokens": 20, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", url + "/v1/completions", timeout=60, json=hog) as stream:
+        lines = stream.iter_lines()  # kept: a dropped iterator closes the connection (a disconnect)
         next(lines)
-        assert len(running.engine.running) == 1 and running.engine.reserved == 13  # the hog holds 13 of 16 blocks
-        r = completion(url, max_tokens=200)
+        assert len(running.engine.running) == 1 and running.engine.blocks_in_use == 15  # 231 tokens: 15 of 16 blocks
+        r = completion(url, max_tokens=4)
         assert error_of(r, 429) and r.headers["retry-after"] == "1"
     assert wait_for(lambda: running.engine.blocks_in_use == 0)
 
@@ -186,3 +186,21 @@ def _up(url) -> bool:
         return httpx.get(url + "/health", timeout=2).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/chat/completions", '{"model": "M", "messages": [{"role": "user", "content": "a\\ud800b"}]}',
+     "messages[0].content"),
+    ("/v1/completions", '{"model": "M", "prompt": "\\udfff", "max_tokens": 2}', "prompt"),
+    ("/v1/completions", '{"model": "M", "prompt": "hi", "stop": ["x\\ud83d"]}', "stop[0]"),
+    ("/tokenize", '{"prompt": "\\ud800"}', "prompt"),
+])
+def test_a_lone_surrogate_anywhere_is_a_400_naming_the_field(fast, path, body, param):
+    url, _ = fast
+    body = body.replace('"M"', json.dumps(PATH.name))
+    r = httpx.post(url + path, content=body.encode(), headers={"content-type": "application/json"})
+    error = error_of(r, 400)
+    assert error["param"] == param and "surrogate" in error["message"]
+    paired = body.replace("\\ud800", "\\ud83d\\ude00").replace("\\udfff", "\\ud83d\\ude00").replace("\\ud83d\"", "\"")
+    assert httpx.post(url + path, content=paired.encode(), headers={"content-type": "application/json"},
+                      timeout=30).status_code == 200

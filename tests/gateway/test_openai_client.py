@@ -129,3 +129,91 @@ def test_extra_body_parameters_reach_the_sampler(stack):
     assert barred.choices[0].finish_reason == "length" and barred.usage.completion_tokens == 12
     assert not torch.equal(torch.tensor(tok.encode(barred.choices[0].text, add_special_tokens=False)[:1]),
                            torch.tensor([first]))
+
+
+def first_token(client, model, **kw) -> str:
+    reply = client.completions.create(model=model, prompt="The quick", max_tokens=1, temperature=0, logprobs=0, **kw)
+    return reply.choices[0].logprobs.tokens[0]
+
+
+def test_logit_bias_minus_100_bans_and_plus_100_forces_at_temperature_0(stack):
+    client, model, running = stack
+    tok = Tokenizer(PATH)
+    vocab = running.engine.model.cfg.vocab_size
+    natural = first_token(client, model)
+    same = [i for i in range(vocab) if tok.token_text(i) == natural]
+    assert same
+    banned = first_token(client, model, logit_bias={str(i): -100 for i in same})
+    assert banned != natural
+    forced_id = next(i for i in range(vocab) if tok.token_text(i).isalpha() and tok.token_text(i) != natural)
+    forced = client.completions.create(model=model, prompt="The quick", max_tokens=3, temperature=0,
+                                       logit_bias={str(forced_id): 100}, logprobs=0)
+    assert forced.choices[0].logprobs.tokens == [tok.token_text(forced_id)] * 3
+    clamped = client.completions.create(model=model, prompt="The quick", max_tokens=3, temperature=0,
+                                        logit_bias={str(forced_id): 1e6}, logprobs=0)
+    assert clamped.choices[0].logprobs.tokens == forced.choices[0].logprobs.tokens
+    chat = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=2, temperature=0,
+                                          logit_bias={str(forced_id): 100})
+    assert chat.choices[0].message.content == tok.decode([forced_id] * 2)
+
+
+def test_logit_bias_outside_the_vocabulary_or_not_an_id_is_a_400(stack):
+    client, model, running = stack
+    vocab = running.engine.model.cfg.vocab_size
+    for bias, words in (({str(vocab): 5}, "vocabulary"), ({"fox": 5}, "token ids")):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.completions.create(model=model, prompt="hi", max_tokens=2, logit_bias=bias)
+        assert "logit_bias" in str(err.value) and words in str(err.value)
+
+
+def test_echo_returns_the_prompt_first_streamed_or_not(stack):
+    client, model, _ = stack
+    plain = client.completions.create(model=model, prompt="The quick brown", max_tokens=6, temperature=0)
+    echoed = client.completions.create(model=model, prompt="The quick brown", max_tokens=6, temperature=0, echo=True)
+    assert echoed.choices[0].text == "The quick brown" + plain.choices[0].text
+    chunks = [c for c in client.completions.create(model=model, prompt="The quick brown", max_tokens=6, temperature=0,
+                                                   echo=True, stream=True) if c.choices]
+    assert chunks[0].choices[0].text == "The quick brown"
+    assert "".join(c.choices[0].text for c in chunks) == echoed.choices[0].text
+    ids = Tokenizer(PATH).encode("The quick brown")
+    by_ids = client.completions.create(model=model, prompt=ids, max_tokens=6, temperature=0, echo=True)
+    assert by_ids.choices[0].text == Tokenizer(PATH).decode(ids, skip_special_tokens=False) + plain.choices[0].text
+
+
+def test_a_list_of_prompts_gets_n_choices_each_numbered_prompt_major(stack):
+    client, model, _ = stack
+    prompts = ["The quick brown", "A fox", "Once upon"]
+    alone = [client.completions.create(model=model, prompt=p, max_tokens=5, temperature=0) for p in prompts]
+    both = client.completions.create(model=model, prompt=prompts, max_tokens=5, temperature=0, n=2)
+    assert [c.index for c in both.choices] == list(range(6))
+    assert [c.text for c in both.choices] == [a.choices[0].text for a in alone for _ in range(2)]
+    assert both.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+    assert both.usage.completion_tokens == 30
+    ids = [Tokenizer(PATH).encode(p) for p in prompts]
+    streamed = {}
+    for c in client.completions.create(model=model, prompt=ids, max_tokens=5, temperature=0, stream=True):
+        for choice in c.choices:
+            streamed[choice.index] = streamed.get(choice.index, "") + choice.text
+    assert [streamed[i] for i in range(3)] == [a.choices[0].text for a in alone]
+
+
+def test_continuous_usage_stats_count_up_on_every_chunk(stack):
+    client, model, _ = stack
+    for create, kw in ((client.completions.create, {"prompt": "The quick"}),
+                       (client.chat.completions.create, {"messages": MESSAGES})):
+        chunks = list(create(model=model, max_tokens=6, temperature=0, stream=True,
+                             stream_options={"include_usage": True, "continuous_usage_stats": True}, **kw))
+        counts = [c.usage.completion_tokens for c in chunks]
+        assert all(c.usage is not None and c.usage.prompt_tokens == chunks[-1].usage.prompt_tokens for c in chunks)
+        assert counts == sorted(counts) and counts[-1] == 6
+
+
+def test_chat_without_max_tokens_runs_until_eos_or_the_context_ends(stack):
+    client, model, running = stack
+    context = running.engine.model.cfg.max_position_embeddings
+    reply = client.chat.completions.create(model=model, messages=MESSAGES, temperature=0, extra_body={"ignore_eos": True})
+    assert reply.choices[0].finish_reason == "length"
+    assert reply.usage.prompt_tokens + reply.usage.completion_tokens == context
+    free = client.chat.completions.create(model=model, messages=MESSAGES, temperature=0)
+    assert free.usage.completion_tokens > 16
+    assert free.choices[0].finish_reason == "stop" or free.usage.total_tokens == context

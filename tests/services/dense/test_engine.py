@@ -194,3 +194,38 @@ def test_a_sequence_reads_the_same_entries_from_one_run_of_blocks_or_scattered_o
     for seq in (run, scattered, other):
         seq.free()
     assert alone.used_blocks == shared.used_blocks == 0
+
+
+def test_requests_without_max_tokens_run_to_eos_or_the_context_end_preempted_under_kv_pressure_as_alone():
+    path = checkpoint("qwen3_moe")
+    model, _ = load_fp32(path)
+    tok = Tokenizer(path)
+    context, eos = model.cfg.max_position_embeddings, tok.eos_token_ids
+    ids = tok.encode(PROMPT * 8)
+    ps = [ids[i:i + 100 + 13 * i % 50] for i in range(16)]
+    params = SamplingParams(temperature=0)  # no max_tokens
+    alone = [generate(model, p, params, eos).tokens for p in ps]
+    assert all(len(p) + len(t) == context or t[-1] in eos for p, t in zip(ps, alone))
+    engine = Engine(model, EngineConfig(kv_blocks=3 * context // 16, block_size=8, max_batch_tokens=64))
+    requests = [engine.submit(Request(f"r{i}", p, params, eos)) for i, p in enumerate(ps)]
+    peak = 0
+    while engine.has_work():
+        engine.step()
+        peak = max(peak, len(engine.running))
+    assert engine.blocks_in_use == 0 and engine.preemptions > 0 and peak >= 2
+    outs = [[r.outputs.get() for _ in range(r.outputs.qsize())] for r in requests]
+    assert all(o.error is None for out in outs for o in out)
+    assert [[t for o in out for t in o.token_ids] for out in outs] == alone
+    assert [out[-1].finish_reason for out in outs] == ["stop" if t[-1] in eos else "length" for t in alone]
+    assert any(r.preempted for r in requests)
+
+
+def test_a_request_alone_never_outgrows_a_cache_smaller_than_the_context():
+    path = checkpoint("qwen3_moe")
+    model, _ = load_fp32(path)
+    engine = Engine(model, EngineConfig(kv_blocks=6, block_size=8))
+    request = engine.submit(Request("a", [5] * 10, SamplingParams(temperature=0, ignore_eos=True)))
+    while engine.has_work():
+        engine.step()
+    outs = [request.outputs.get() for _ in range(request.outputs.qsize())]
+    assert sum(len(o.token_ids) for o in outs) == 48 - 10 and outs[-1].finish_reason == "length"

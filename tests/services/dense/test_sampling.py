@@ -64,3 +64,21 @@ def test_context_overflow_names_both_numbers(model):
     limit = model.cfg.max_position_embeddings
     with pytest.raises(InvalidRequestError, match=f"{len(PROMPT)} tokens.*{limit}"):
         generate(model, PROMPT, SamplingParams(max_tokens=limit))
+
+
+def test_logit_bias_is_added_clamped_to_100_before_sampling_and_not_in_logprobs():
+    logits = torch.tensor([0.0, 5.0, 1.0, -2.0])
+    params = SamplingParams(temperature=0, logit_bias=((1, -100.0), (3, 7.5)), logprobs=1)
+    token, lp = Sampler(params).sample(logits)
+    assert token == 3
+    assert lp.logprob == pytest.approx(float(logits.log_softmax(-1)[3]))  # the model's own distribution
+    clamped = Sampler(SamplingParams(temperature=0, logit_bias=((0, -1e9), (1, -1e9))))
+    assert clamped._process(logits.clone()).tolist() == [-100.0, -95.0, 1.0, -2.0]
+    seeded = SamplingParams(temperature=1.0, seed=5, logit_bias=((2, 100.0),))
+    assert {Sampler(seeded)(logits) for _ in range(8)} == {2}
+
+
+@pytest.mark.parametrize("bias", [((-1, 1.0),), ((2, float("nan")),), ((2, float("inf")),)])
+def test_bad_logit_bias_is_refused_naming_the_field(bias):
+    with pytest.raises(InvalidRequestError, match="logit_bias"):
+        SamplingParams(logit_bias=bias)

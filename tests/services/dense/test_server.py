@@ -219,8 +219,11 @@ def test_deadline_expiring_mid_generation_frees_the_request(slow_service):
 
 def test_full_kv_cache_queues_then_refuses_with_resource_exhausted(slow_service):
     running, stub = slow_service
-    hog = stub.Generate(request(max_tokens=200))  # 256-token cache: this one holds it all
+    long = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5] * 230), sampling=pb.SamplingParams(temperature=0),
+                              stopping=pb.StoppingCriteria(max_tokens=20, ignore_eos=True))
+    hog = stub.Generate(long)  # 256-token cache: this one's 231 tokens hold 15 of its 16 blocks
     next(hog)
+    assert running.engine.blocks_in_use == 15
     queued = stub.Generate(request(max_tokens=200))  # waits for the hog's blocks
     assert wait_for(lambda: len(running.engine.waiting) == 1)
     with pytest.raises(grpc.RpcError) as info:

@@ -151,6 +151,7 @@ class Choice:
     logprobs: list[pb.TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     prompt_tokens: int = 0
+    cached_tokens: int = 0
 
 
 @dataclass
@@ -247,6 +248,7 @@ class Runner:
             c.logprobs += r.logprobs
             c.finish_reason = piece.finish_reason or c.finish_reason
             c.prompt_tokens = r.usage.prompt_tokens or c.prompt_tokens
+            c.cached_tokens = r.usage.cached_tokens or c.cached_tokens
         return choices
 
 
@@ -300,6 +302,16 @@ class _Clock:
             span.set_attribute("gen_ai.completion", "".join(self.text))
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def cached_tokens(by_choice: dict[int, int], n: int) -> int:
+    """Prompt tokens served from the prefix cache: each prompt's (choices i * n + j share prompt i)
+    best choice, summed over the prompts."""
+    best: dict[int, int] = {}
+    for index, cached in by_choice.items():
+        best[index // n] = max(best.get(index // n, 0), cached)
+    return sum(best.values())

@@ -29,13 +29,25 @@ class Metrics:
         self.kv_usage = Gauge(PREFIX + "kv_cache_usage_perc", "Fraction of KV cache blocks in use", registry=r)
         self.preemptions = Counter(PREFIX + "num_preemptions", "Running requests paused to free KV blocks",
                                    registry=r)
-        self._preempted = 0  # the dense service's count at the last poll
+        self.prefix_queries = Counter(PREFIX + "prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                                      registry=r)
+        self.prefix_hits = Counter(PREFIX + "prefix_cache_hits", "Prompt tokens found in the prefix cache", registry=r)
+        self.prefix_hit_rate = Gauge(PREFIX + "prefix_cache_hit_rate", "Prefix cache hits over queries, in tokens",
+                                     registry=r)
+        self._last: dict[str, int] = {}  # the dense service's cumulative counts at the last poll
 
     def engine(self, stats) -> None:
         self.engine_running.set(stats.running)
         self.engine_waiting.set(stats.waiting)
         self.kv_usage.set(stats.kv_blocks_used / stats.kv_blocks_total if stats.kv_blocks_total else 0.0)
-        # the service's count is cumulative; one below the last poll means the service restarted
-        self.preemptions.inc(stats.preemptions - self._preempted if stats.preemptions >= self._preempted
-                             else stats.preemptions)
-        self._preempted = stats.preemptions
+        for counter, name in ((self.preemptions, "preemptions"), (self.prefix_queries, "prefix_cache_queries"),
+                              (self.prefix_hits, "prefix_cache_hits")):
+            self._add(counter, name, getattr(stats, name))
+        queries = stats.prefix_cache_queries
+        self.prefix_hit_rate.set(stats.prefix_cache_hits / queries if queries else 0.0)
+
+    def _add(self, counter: Counter, name: str, total: int) -> None:
+        """Adds what a cumulative count of the service's grew by (all of it after a restart)."""
+        last = self._last.get(name, 0)
+        counter.inc(total - last if total >= last else total)
+        self._last[name] = total

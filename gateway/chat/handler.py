@@ -11,7 +11,7 @@ from fastapi.responses import StreamingResponse
 
 from gateway.chat.schemas import AssistantMessage, ChatChoice, ChatRequest, ChatResponse, Usage, token_logprobs
 from gateway.chat_template import render
-from gateway.generation import Runner, generate_request, usage
+from gateway.generation import Runner, cached_tokens, generate_request, usage
 from gateway.sse import guarded
 
 
@@ -40,18 +40,19 @@ async def create(body: ChatRequest, request: Request):
         choices=[ChatChoice(index=c.index, message=AssistantMessage(content=c.text),
                             logprobs=token_logprobs(c.logprobs) if body.logprobs else None,
                             finish_reason=c.finish_reason) for c in choices],
-        usage=Usage(**usage(len(prompt), sum(len(c.token_ids) for c in choices))),
+        usage=Usage(**usage(len(prompt), sum(len(c.token_ids) for c in choices),
+                             cached_tokens({c.index: c.cached_tokens for c in choices}, body.n))),
     )
 
 
 async def _events(body: ChatRequest, runner: Runner, requests, prompt_tokens: int, rid: str, created: int
                   ) -> AsyncIterator[dict]:
-    completion = 0
+    completion, cached = 0, {}
     options = body.stream_options
 
     def chunk(choices, **extra):
         if options and options.continuous_usage_stats and "usage" not in extra:
-            extra["usage"] = usage(prompt_tokens, completion)
+            extra["usage"] = usage(prompt_tokens, completion, cached_tokens(cached, body.n))
         return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": body.model,
                 "choices": choices, **extra}
 
@@ -61,10 +62,11 @@ async def _events(body: ChatRequest, runner: Runner, requests, prompt_tokens: in
     async for piece in runner.stream(requests):
         r = piece.response
         completion += len(r.token_ids)
+        cached[piece.index] = r.usage.cached_tokens or cached.get(piece.index, 0)
         if r.text or r.logprobs:
             lp = token_logprobs(r.logprobs).model_dump() if body.logprobs else None
             yield chunk([{"index": piece.index, "delta": {"content": r.text}, "logprobs": lp, "finish_reason": None}])
         if piece.finish_reason:
             yield chunk([{"index": piece.index, "delta": {}, "logprobs": None, "finish_reason": piece.finish_reason}])
     if options and options.include_usage:
-        yield chunk([], usage=usage(prompt_tokens, completion))
+        yield chunk([], usage=usage(prompt_tokens, completion, cached_tokens(cached, body.n)))

@@ -55,10 +55,15 @@ class ChatChoice(BaseModel):
     finish_reason: Literal["stop", "length", "abort"] | None = None
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class ChatResponse(BaseModel):

@@ -16,7 +16,7 @@ from gateway.chat.schemas import Usage
 from gateway.completions.schemas import (CompletionChoice, CompletionRequest, CompletionResponse,
                                          completion_logprobs)
 from gateway.errors import ApiError
-from gateway.generation import Runner, generate_request, usage
+from gateway.generation import Runner, cached_tokens, generate_request, usage
 from gateway.sse import guarded
 
 MAX_CHOICES = 128  # prompts x n in one request
@@ -81,18 +81,19 @@ async def create(body: CompletionRequest, request: Request):
         choices=[CompletionChoice(index=c.index, text=e + c.text, finish_reason=c.finish_reason,
                                   logprobs=completion_logprobs(c.logprobs) if body.logprobs is not None else None)
                  for c, e in zip(choices, echo)],
-        usage=Usage(**usage(prompt_tokens, sum(len(c.token_ids) for c in choices))),
+        usage=Usage(**usage(prompt_tokens, sum(len(c.token_ids) for c in choices),
+                             cached_tokens({c.index: c.cached_tokens for c in choices}, body.n))),
     )
 
 
 async def _events(body: CompletionRequest, runner: Runner, requests, prompts: list[Prompt], prompt_tokens: int,
                   rid: str, created: int) -> AsyncIterator[dict]:
-    completion = 0
+    completion, cached = 0, {}
     options = body.stream_options
 
     def chunk(choices, **extra):
         if options and options.continuous_usage_stats and "usage" not in extra:
-            extra["usage"] = usage(prompt_tokens, completion)
+            extra["usage"] = usage(prompt_tokens, completion, cached_tokens(cached, body.n))
         return {"id": rid, "object": "text_completion", "created": created, "model": body.model,
                 "choices": choices, **extra}
 
@@ -104,6 +105,7 @@ async def _events(body: CompletionRequest, runner: Runner, requests, prompts: li
     async for piece in runner.stream(requests):
         r = piece.response
         completion += len(r.token_ids)
+        cached[piece.index] = r.usage.cached_tokens or cached.get(piece.index, 0)
         if r.text or r.logprobs or piece.finish_reason:
             lp = None
             if body.logprobs is not None:
@@ -112,4 +114,4 @@ async def _events(body: CompletionRequest, runner: Runner, requests, prompts: li
             yield chunk([{"index": piece.index, "text": r.text, "logprobs": lp,
                           "finish_reason": piece.finish_reason}])
     if options and options.include_usage:
-        yield chunk([], usage=usage(prompt_tokens, completion))
+        yield chunk([], usage=usage(prompt_tokens, completion, cached_tokens(cached, body.n)))

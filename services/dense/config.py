@@ -29,6 +29,7 @@ class DenseConfig:
     max_batch_tokens: int = 512
     max_running: int = 64
     max_queue: int = 256
+    prefix_caching: bool = True
     listen: str = "127.0.0.1:50051"
     served_model_name: str = ""
     tracing: TracingConfig = TracingConfig()
@@ -52,4 +53,5 @@ class DenseConfig:
 
     def engine(self, kv_blocks: int) -> EngineConfig:
         return EngineConfig(kv_blocks=kv_blocks, block_size=self.block_size, max_batch_tokens=self.max_batch_tokens,
-                            max_running=self.max_running, max_queue=self.max_queue)
+                            max_running=self.max_running, max_queue=self.max_queue,
+                            prefix_caching=self.prefix_caching)

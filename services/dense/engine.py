@@ -39,6 +39,7 @@ class EngineConfig:
     max_batch_tokens: int = 512  # tokens per step: decodes first, then prompt chunks
     max_running: int = 64
     max_queue: int = 256
+    prefix_caching: bool = True  # full KV blocks kept and reused across requests
 
     def __post_init__(self):
         for name in ("kv_blocks", "block_size", "max_batch_tokens", "max_running"):
@@ -51,7 +52,8 @@ class EngineConfig:
 class Engine:
     def __init__(self, model: MoeDecoder, cfg: EngineConfig):
         self.model, self.cfg = model, cfg
-        self.pool = BlockPool(model.cfg, cfg.kv_blocks, cfg.block_size, model.dtype, model.device)
+        self.pool = BlockPool(model.cfg, cfg.kv_blocks, cfg.block_size, model.dtype, model.device,
+                              caching=cfg.prefix_caching)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in order of admission
         self.preemptions = 0
@@ -183,6 +185,11 @@ class Engine:
             while self.waiting and self._fits_now(self.waiting[0]):
                 request = self.waiting.popleft()
                 request.cache = PagedSequence(self.pool)
+                request.prefilled = request.cache.reuse(request.target)
+                self.pool.queries += len(request.target)
+                self.pool.hits += request.prefilled
+                if not request.admitted_ns:  # usage counts a prompt's first admission, not a resumption
+                    request.cached_tokens = request.prefilled
                 request.admitted_ns = request.admitted_ns or time.time_ns()
                 self.running.append(request)
 
@@ -220,6 +227,7 @@ class Engine:
     def _emit(self, batch, logits: torch.Tensor) -> None:
         i = 0
         for request, chunk, row in batch:
+            request.cache.record(chunk.tokens.tolist())
             if request.prefilling:
                 request.prefilled += len(chunk.tokens)
             if row is None:

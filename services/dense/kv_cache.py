@@ -4,12 +4,16 @@ GQA layers keep keys and values [S, Hkv, Dh]; MLA layers keep the compressed lat
 shared rotated key [S, R], as the reference implementation does (the cache is what makes MLA small).
 Both kinds give attention the same thing per layer: `update(*new)` writes this step's entries and
 returns everything cached for the sequence.
+The paged cache keeps full blocks for reuse (automatic prefix caching, as vLLM's): a full block is
+keyed by its tokens and its parent block's key, so equal keys mean equal prefixes and equal entries;
+a block no sequence holds stays cached, evictable least recently used first, and counts as free.
 S cached positions, T tokens of a step, Hkv key/value heads, Dh head size, C kv_lora_rank,
 R rotated dims, B block size, N blocks.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -76,37 +80,95 @@ class SequenceKV:
         self.length = self.start + num_tokens
 
 
+ROOT = 0  # the parent key of a sequence's first block
+
+
 class BlockPool:
-    """The service's KV memory: per layer, entries for N blocks of B positions, handed out by block."""
+    """The service's KV memory: per layer, entries for N blocks of B positions, handed out by block,
+    with full blocks kept for reuse when `caching` (they are evicted before anything is refused)."""
 
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device):
+                 device: torch.device, caching: bool = False):
         shapes = entry_shapes(config)
-        self.num_blocks, self.block_size, self.device = num_blocks, block_size, device
+        self.num_blocks, self.block_size, self.device, self.caching = num_blocks, block_size, device, caching
         self.layers = [
             tuple(torch.empty((num_blocks * block_size, *s), dtype=dtype, device=device) for s in shapes)
             for _ in range(config.num_layers)
         ]
-        self._free = list(range(num_blocks - 1, -1, -1))
+        self._free = list(range(num_blocks - 1, -1, -1))  # holding nothing reusable
+        self._refs = [0] * num_blocks
+        self._cached: dict[int, int] = {}  # key -> block
+        self._content: dict[int, tuple[int, int, tuple[int, ...]]] = {}  # block -> (key, parent key, tokens)
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # cached blocks nobody holds, oldest first
+        self.queries = self.hits = 0  # prompt tokens looked up, and found
 
     @property
     def free_blocks(self) -> int:
-        return len(self._free)
+        return len(self._free) + len(self._evictable)
 
     @property
     def used_blocks(self) -> int:
-        return self.num_blocks - len(self._free)
+        return self.num_blocks - self.free_blocks
+
+    @property
+    def cached_blocks(self) -> int:
+        return len(self._content)
 
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
 
     def allocate(self, count: int) -> list[int]:
-        if count > len(self._free):
-            raise ResourceExhaustedError(f"KV cache: {count} blocks wanted, {len(self._free)} free")
-        return [self._free.pop() for _ in range(count)]
+        if count > self.free_blocks:
+            raise ResourceExhaustedError(f"KV cache: {count} blocks wanted, {self.free_blocks} free")
+        out = []
+        for _ in range(count):
+            if self._free:
+                block = self._free.pop()
+            else:  # the least recently used cached block
+                block, _ = self._evictable.popitem(last=False)
+                self._forget(block)
+            self._refs[block] = 1
+            out.append(block)
+        return out
 
     def release(self, blocks: list[int]) -> None:
-        self._free.extend(reversed(blocks))
+        """A sequence's blocks, first to last: its tail is evicted before its head."""
+        for block in reversed(blocks):
+            self._refs[block] -= 1
+            if self._refs[block] == 0:
+                if block in self._content:
+                    self._evictable[block] = None
+                else:
+                    self._free.append(block)
+
+    def match(self, tokens: list[int], most: int) -> tuple[list[int], list[int]]:
+        """(blocks, keys) of the longest cached run of tokens' full blocks, at most `most`, now held."""
+        blocks, keys, parent, b = [], [], ROOT, self.block_size
+        for i in range(most if self.caching else 0):
+            chunk = tuple(tokens[i * b:(i + 1) * b])
+            key = hash((parent, chunk))
+            block = self._cached.get(key)
+            if block is None or self._content[block] != (key, parent, chunk):
+                break
+            blocks.append(block)
+            keys.append(key)
+            parent = key
+        for block in blocks:
+            self._refs[block] += 1
+            self._evictable.pop(block, None)
+        return blocks, keys
+
+    def register(self, block: int, parent: int, tokens: tuple[int, ...]) -> int:
+        """Offers a block just filled with tokens for reuse; returns its key."""
+        key = hash((parent, tokens))
+        if self.caching and key not in self._cached and block not in self._content:
+            self._cached[key] = block
+            self._content[block] = (key, parent, tokens)
+        return key
+
+    def _forget(self, block: int) -> None:
+        key, _, _ = self._content.pop(block)
+        del self._cached[key]
 
 
 class PagedLayer:
@@ -137,6 +199,28 @@ class PagedSequence:
         self.slots = torch.empty(0, dtype=torch.long, device=pool.device)
         self.base: int | None = None  # the first slot, while the blocks are one run in the pool
         self.layers = [PagedLayer(self, i) for i in range(len(pool.layers))]
+        self.tokens: list[int] = []  # whose entries are cached, in order (for the pool's keys)
+        self.keys: list[int] = []  # of its full blocks
+
+    def reuse(self, tokens: list[int]) -> int:
+        """Takes the pool's cached blocks for the longest full-block prefix of tokens, leaving at
+        least one token to compute; returns how many tokens it starts with."""
+        assert not self.blocks, "reuse() is for a new sequence"
+        blocks, self.keys = self.pool.match(tokens, (len(tokens) - 1) // self.pool.block_size)
+        if blocks:
+            self._grow(blocks)
+        self.length = self.start = len(blocks) * self.pool.block_size
+        self.tokens = list(tokens[:self.length])
+        return self.length
+
+    def record(self, tokens: list[int]) -> None:
+        """The tokens of the step just committed: full blocks are offered to the pool."""
+        self.tokens += tokens
+        b = self.pool.block_size
+        while len(self.keys) < len(self.tokens) // b:
+            i = len(self.keys)
+            parent = self.keys[-1] if self.keys else ROOT
+            self.keys.append(self.pool.register(self.blocks[i], parent, tuple(self.tokens[i * b:(i + 1) * b])))
 
     def begin(self, num_tokens: int) -> None:
         end = self.length + num_tokens

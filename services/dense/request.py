@@ -25,6 +25,7 @@ class Output:
     completion_tokens: int = 0
     error: TandemError | None = None  # set when the request failed (the stream ends with it)
     timing: tuple[float, float, float] | None = None  # (queue, prefill, decode) seconds, in the last one
+    cached_tokens: int = 0  # prompt tokens the prefix cache held
 
     @property
     def finished(self) -> bool:
@@ -45,6 +46,7 @@ class Request:
     limit: int | None = None  # tokens it may generate: max_tokens, capped by the context (set by the engine)
     cancelled: bool = False
     preempted: int = 0  # times its blocks were taken back to let others run
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
     span: object | None = None  # the request's trace span, when traced
     submitted_ns: int = field(default_factory=time.time_ns)
     admitted_ns: int | None = None
@@ -102,10 +104,11 @@ class Request:
         if reason and self.detokenizer:
             text += self.detokenizer.flush()
         return Output((token,), text, (logprobs,) if logprobs else (), reason, len(self.prompt), len(self.generated),
-                      timing=self.timing() if reason else None)
+                      timing=self.timing() if reason else None, cached_tokens=self.cached_tokens)
 
     def finish(self, reason: str | None = None, error: TandemError | None = None) -> None:
-        self.outputs.put(Output((), "", (), reason, len(self.prompt), len(self.generated), error, self.timing()))
+        self.outputs.put(Output((), "", (), reason, len(self.prompt), len(self.generated), error, self.timing(),
+                                self.cached_tokens))
 
     def timing(self) -> tuple[float, float, float]:
         """(queue, prefill, decode) seconds so far."""

@@ -113,7 +113,8 @@ class DenseServicer(pb_grpc.DenseServiceServicer):
                             top=[pb.TopLogprob(token_id=t, logprob=v, token=text_of(t)) for t, v in lp.top])
             for lp in out.logprobs
         ]
-        usage = pb.Usage(prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens)
+        usage = pb.Usage(prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens,
+                         cached_tokens=out.cached_tokens)
         timing = None
         if out.timing is not None:
             timing = pb.Timing(queue_s=out.timing[0], prefill_s=out.timing[1], decode_s=out.timing[2])
@@ -142,4 +143,5 @@ class DenseServicer(pb_grpc.DenseServiceServicer):
     def GetStats(self, request, context):
         e = self.engine
         return pb.GetStatsResponse(running=len(e.running), waiting=len(e.waiting), kv_blocks_used=e.blocks_in_use,
-                                   kv_blocks_total=e.pool.num_blocks, preemptions=e.preemptions)
+                                   kv_blocks_total=e.pool.num_blocks, preemptions=e.preemptions,
+                                   prefix_cache_queries=e.pool.queries, prefix_cache_hits=e.pool.hits)

@@ -1,5 +1,6 @@
 """The gateway through the official openai client: what an OpenAI user does, answered as OpenAI does."""
 
+import httpx
 import pytest
 import torch
 
@@ -217,3 +218,27 @@ def test_chat_without_max_tokens_runs_until_eos_or_the_context_ends(stack):
     free = client.chat.completions.create(model=model, messages=MESSAGES, temperature=0)
     assert free.usage.completion_tokens > 16
     assert free.choices[0].finish_reason == "stop" or free.usage.total_tokens == context
+
+
+def metric(client, name: str) -> float:
+    text = httpx.get(str(client.base_url).removesuffix("/v1/") + "/metrics").text
+    return float(next(line for line in text.splitlines() if line.startswith(name + " ")).split()[-1])
+
+
+def test_a_shared_prefix_reports_its_cached_tokens_and_the_metrics_count_them(stack):
+    client, model, running = stack
+    block = running.engine.pool.block_size
+    prefix = [(7 * i * i + 11 * i) % 500 + 3 for i in range(150)]
+    hits, queries = metric(client, "tandem:prefix_cache_hits_total"), metric(client, "tandem:prefix_cache_queries_total")
+    first = client.completions.create(model=model, prompt=prefix + [5, 6], max_tokens=4, temperature=0)
+    second = client.completions.create(model=model, prompt=prefix + [7, 8, 9], max_tokens=4, temperature=0)
+    streamed = list(client.completions.create(model=model, prompt=prefix + [7, 8, 9], max_tokens=4, temperature=0,
+                                              stream=True, stream_options={"include_usage": True}))
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    aligned = 150 // block * block  # the full blocks the two prompts share
+    assert second.usage.prompt_tokens_details.cached_tokens == aligned
+    assert streamed[-1].usage.prompt_tokens_details.cached_tokens == 152 // block * block
+    assert metric(client, "tandem:prefix_cache_hits_total") - hits == aligned + 152 // block * block
+    assert metric(client, "tandem:prefix_cache_queries_total") - queries == 152 + 153 + 153
+    assert 0 < metric(client, "tandem:prefix_cache_hit_rate") <= 1
+    assert metric(client, "tandem:num_preemptions_total") == 0

@@ -22,6 +22,7 @@ from gateway.config import GatewayConfig
 from gateway.dense_client import DenseClient
 from gateway.errors import ApiError, ErrorBody, FieldError, from_grpc
 from gateway.metrics import Metrics
+from gateway.messages.router import router as messages_router
 from gateway.models.router import router as models_router
 from gateway.tokenize.router import router as tokenize_router
 
@@ -151,7 +152,7 @@ def build_app(config: GatewayConfig, client=None) -> FastAPI:
     if config.api_key:
         _install_auth(app, config.api_key)
     _install_ops(app)
-    for router in (models_router, chat_router, completions_router, tokenize_router):
+    for router in (models_router, chat_router, completions_router, messages_router, tokenize_router):
         app.include_router(router)
     app.add_middleware(BodyLimit, limit=config.max_body_bytes)
     return app

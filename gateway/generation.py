@@ -152,6 +152,7 @@ class Choice:
     finish_reason: str | None = None
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    stop_text: str = ""
 
 
 @dataclass
@@ -249,6 +250,7 @@ class Runner:
             c.finish_reason = piece.finish_reason or c.finish_reason
             c.prompt_tokens = r.usage.prompt_tokens or c.prompt_tokens
             c.cached_tokens = r.usage.cached_tokens or c.cached_tokens
+            c.stop_text = r.stop_text or c.stop_text
         return choices
 
 

@@ -26,6 +26,7 @@ class Output:
     error: TandemError | None = None  # set when the request failed (the stream ends with it)
     timing: tuple[float, float, float] | None = None  # (queue, prefill, decode) seconds, in the last one
     cached_tokens: int = 0  # prompt tokens the prefix cache held
+    stop_text: str = ""  # the stop string that ended it
 
     @property
     def finished(self) -> bool:
@@ -104,7 +105,8 @@ class Request:
         if reason and self.detokenizer:
             text += self.detokenizer.flush()
         return Output((token,), text, (logprobs,) if logprobs else (), reason, len(self.prompt), len(self.generated),
-                      timing=self.timing() if reason else None, cached_tokens=self.cached_tokens)
+                      timing=self.timing() if reason else None, cached_tokens=self.cached_tokens,
+                      stop_text=(self.detokenizer.stopped_by or "") if reason and self.detokenizer else "")
 
     def finish(self, reason: str | None = None, error: TandemError | None = None) -> None:
         self.outputs.put(Output((), "", (), reason, len(self.prompt), len(self.generated), error, self.timing(),

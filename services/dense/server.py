@@ -119,7 +119,8 @@ class DenseServicer(pb_grpc.DenseServiceServicer):
         if out.timing is not None:
             timing = pb.Timing(queue_s=out.timing[0], prefill_s=out.timing[1], decode_s=out.timing[2])
         return pb.GenerateResponse(token_ids=out.token_ids, text=out.text, logprobs=logprobs,
-                                   finish_reason=FINISH[out.finish_reason], usage=usage, timing=timing)
+                                   finish_reason=FINISH[out.finish_reason], usage=usage, timing=timing,
+                                   stop_text=out.stop_text)
 
     def Tokenize(self, request, context):
         return pb.TokenizeResponse(token_ids=self.tokenizer.encode(request.text, request.add_special_tokens))

@@ -13,10 +13,11 @@ from typing import Annotated
 
 import grpc
 from opentelemetry import trace
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from gateway.errors import ApiError, FieldError, from_grpc
 from gateway.metrics import Metrics
+from gateway.structured import ConstraintFields
 from services.common import telemetry
 from tandem.v1 import dense_pb2 as pb
 
@@ -69,10 +70,11 @@ class StreamOptions(BaseModel):
 Bias = Annotated[float, Field(allow_inf_nan=False)]
 
 
-class SamplingFields(RequestBody):
+class SamplingFields(RequestBody, ConstraintFields):
     """The OpenAI parameters both endpoints take, plus the extras clients send via extra_body."""
 
     model_config = ConfigDict(extra="allow")
+    _grammar: tuple[str, str] | None = PrivateAttr(None)  # (llguidance grammar, its field), set by check_supported
 
     model: str
     max_tokens: Count | None = None
@@ -96,9 +98,10 @@ class SamplingFields(RequestBody):
     logit_bias: dict[str, Bias] | None = None  # token id (as a string) -> bias, clamped to [-100, 100]
 
     def check_supported(self) -> None:
+        """Refuses what this server cannot do yet; checks the output constraint (a 400 naming its field)."""
         extra = sorted(self.model_extra or {})
-        unsupported = {"tools", "tool_choice", "functions", "function_call", "response_format", "audio",
-                       "prediction", "web_search_options"}
+        unsupported = {"tools", "tool_choice", "functions", "function_call", "audio", "prediction",
+                       "web_search_options"}
         for name in extra:
             value = self.model_extra[name]
             if name in unsupported and value not in (None, [], {}, "none", "auto") and value != {"type": "text"}:
@@ -106,6 +109,7 @@ class SamplingFields(RequestBody):
         ignored = [n for n in extra if n not in unsupported]
         if ignored:
             log.warning("ignoring unknown request fields: %s", ", ".join(ignored))
+        self._grammar = self.constraint()
 
     def bias(self) -> dict[int, float]:
         """logit_bias with integer keys and values clamped to [-100, 100] (as OpenAI does)."""
@@ -138,6 +142,8 @@ def generate_request(req: SamplingFields, prompt: list[int], logprobs: int | Non
     stopping.stop.extend([pb.Stop(text=t) for t in req.stops()] +
                          [pb.Stop(token_id=t) for t in req.stop_token_ids or []])
     out = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), sampling=s, stopping=stopping)
+    if req._grammar is not None:
+        out.constraint.grammar = req._grammar[0]
     if logprobs is not None:
         out.logprobs = logprobs
     return out

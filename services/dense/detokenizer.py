@@ -12,8 +12,8 @@ PREFIX_TOKENS = 5  # context tokens decoded before the new ones, so merged space
 
 
 class Detokenizer:
-    def __init__(self, tokenizer, prompt: list[int], stop: tuple[str, ...] = ()):
-        self.tokenizer, self.stop = tokenizer, stop
+    def __init__(self, tokenizer, prompt: list[int], stop: tuple[str, ...] = (), keep_special: bool = False):
+        self.tokenizer, self.stop, self.skip_special = tokenizer, stop, not keep_special
         self.ids = list(prompt[-PREFIX_TOKENS:])
         self.prefix = 0
         self.read = len(self.ids)
@@ -26,8 +26,8 @@ class Detokenizer:
         if self.stopped_by is not None:
             return ""
         self.ids.append(token)
-        before = self.tokenizer.decode(self.ids[self.prefix:self.read])
-        after = self.tokenizer.decode(self.ids[self.prefix:])
+        before = self.tokenizer.decode(self.ids[self.prefix:self.read], self.skip_special)
+        after = self.tokenizer.decode(self.ids[self.prefix:], self.skip_special)
         if len(after) > len(before) and not after.endswith(REPLACEMENT):
             self.text += after[len(before):]
             self.prefix, self.read = self.read, len(self.ids)

@@ -232,8 +232,12 @@ class Engine:
                 request.prefilled += len(chunk.tokens)
             if row is None:
                 continue
-            output = request.accept(logits[i])
-            i += 1
+            row_logits, i = logits[i], i + 1
+            try:
+                output = request.accept(row_logits)
+            except TandemError as exc:  # its constraint could not follow the sampled token
+                self._end(request, error=exc)
+                continue
             request.outputs.put(output)
             if output.finished:
                 tracing.end_request(request, output.finish_reason, None)

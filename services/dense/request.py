@@ -49,6 +49,8 @@ class Request:
     preempted: int = 0  # times its blocks were taken back to let others run
     cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
     span: object | None = None  # the request's trace span, when traced
+    constraint: object | None = None  # a constraint.Constraint (structured output), or None
+    keep_special_tokens: bool = False  # special tokens' text is part of the output
     submitted_ns: int = field(default_factory=time.time_ns)
     admitted_ns: int | None = None
     first_token_ns: int | None = None
@@ -56,9 +58,10 @@ class Request:
     def __post_init__(self):
         stop_ids = tuple(self.params.stop_token_ids)
         barred = stop_ids + (() if self.params.ignore_eos else self.eos_ids)
-        self.sampler = Sampler(self.params, history=list(self.prompt), barred=barred)
+        self.sampler = Sampler(self.params, history=list(self.prompt), barred=barred, constraint=self.constraint)
         self.stop_ids = set(stop_ids) | (set() if self.params.ignore_eos else set(self.eos_ids))
-        self.detokenizer = Detokenizer(self.tokenizer, self.prompt, self.params.stop) if self.tokenizer else None
+        self.detokenizer = (Detokenizer(self.tokenizer, self.prompt, self.params.stop, self.keep_special_tokens)
+                            if self.tokenizer else None)
         self.target = self.prompt  # what prefill puts in the cache: the prompt, or after a preemption all so far
         if self.limit is None:
             self.limit = self.params.max_tokens
@@ -92,9 +95,12 @@ class Request:
     def accept(self, logits: torch.Tensor) -> Output:
         """Samples the next token from logits [V] and says what to stream (and whether it is over)."""
         token, logprobs = self.sampler.sample(logits)
-        text = self.detokenizer.add(token) if self.detokenizer else ""
+        eos = token in self.eos_ids and self.keep_special_tokens  # its text is no part of the answer
+        text = self.detokenizer.add(token) if self.detokenizer and not eos else ""
         reason = None
         if token in self.stop_ids:
+            reason = "stop"
+        elif self._grammar_done(token):
             reason = "stop"
         elif self.detokenizer and self.detokenizer.stopped_by is not None:
             reason = "stop"
@@ -107,6 +113,11 @@ class Request:
         return Output((token,), text, (logprobs,) if logprobs else (), reason, len(self.prompt), len(self.generated),
                       timing=self.timing() if reason else None, cached_tokens=self.cached_tokens,
                       stop_text=(self.detokenizer.stopped_by or "") if reason and self.detokenizer else "")
+
+    def _grammar_done(self, token: int) -> bool:
+        """Moves the constraint on by the sampled token; True once its grammar is complete."""
+        return self.constraint is not None and self.constraint.advance(token, self.detokenizer.text if self.detokenizer
+                                                                        else "")
 
     def finish(self, reason: str | None = None, error: TandemError | None = None) -> None:
         self.outputs.put(Output((), "", (), reason, len(self.prompt), len(self.generated), error, self.timing(),

@@ -84,6 +84,7 @@ class Sampler:
     history: list[int] = field(default_factory=list)
     barred: tuple[int, ...] = ()  # EOS and stop ids, barred while fewer than min_tokens are out
     generated: list[int] = field(default_factory=list)
+    constraint: object | None = None  # a constraint.Constraint: the grammar's mask, applied last
 
     def __post_init__(self):
         self.generator = torch.Generator()
@@ -123,6 +124,8 @@ class Sampler:
             logits[ids] -= p.presence_penalty + p.frequency_penalty * counts
         if len(self.generated) < p.min_tokens and self.barred:
             logits[torch.tensor(self.barred)] = float("-inf")
+        if self.constraint is not None:
+            self.constraint.mask(logits)
         return logits
 
     def _choose(self, logits: torch.Tensor) -> int:

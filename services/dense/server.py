@@ -17,6 +17,7 @@ from services.common.errors import InvalidRequestError, TandemError
 from services.common import telemetry
 from services.common.grpc_status import abort
 from services.dense import tracing
+from services.dense.constraint import Grammars
 from services.dense.engine import Engine
 from services.dense.request import Output, Request
 from services.dense.sampling import SamplingParams
@@ -66,6 +67,7 @@ def sampling_params(req: pb.GenerateRequest) -> SamplingParams:
 class DenseServicer(pb_grpc.DenseServiceServicer):
     def __init__(self, engine: Engine, tokenizer: Tokenizer, info: ModelInfo):
         self.engine, self.tokenizer, self.info = engine, tokenizer, info
+        self.grammars = Grammars(tokenizer.path, tokenizer.eos_token_ids)
 
     def _request(self, req: pb.GenerateRequest, context) -> Request:
         kind = req.WhichOneof("prompt")
@@ -73,11 +75,16 @@ class DenseServicer(pb_grpc.DenseServiceServicer):
             raise InvalidRequestError("prompt: set text or token_ids")
         prompt = (self.tokenizer.encode(req.text, add_special_tokens=req.add_special_tokens) if kind == "text"
                   else list(req.token_ids.ids))
+        params = sampling_params(req)
+        constraint = None
+        if req.HasField("constraint") and req.constraint.grammar:
+            constraint = self.grammars.constraint(req.constraint.grammar, req.constraint.after)
         remaining = context.time_remaining()
         return Request(
-            request_id=req.request_id or f"req-{next(_ids)}", prompt=prompt, params=sampling_params(req),
+            request_id=req.request_id or f"req-{next(_ids)}", prompt=prompt, params=params,
             eos_ids=self.tokenizer.eos_token_ids, tokenizer=self.tokenizer,
             deadline=None if remaining is None else time.monotonic() + remaining,
+            constraint=constraint, keep_special_tokens=req.keep_special_tokens,
         )
 
     def Generate(self, request, context):

@@ -31,6 +31,7 @@ class Tokenizer:
         path = model_dir / "tokenizer.json"
         if not path.is_file():
             raise CheckpointError(f"missing file: {path}")
+        self.path = path
         try:
             self._tok = _HFTokenizer.from_file(str(path))
         except Exception as exc:  # the Rust library raises a bare Exception on bad files

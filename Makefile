@@ -11,14 +11,17 @@ PROTO_STAMP := tandem/.generated
 .PHONY: test setup native protos serve clean grpc-cpp
 
 # `make serve`: the whole stack on this host (MODEL=dir or file.gguf, GGUF=file, PORT=8000,
-# FORMAT=bf16|int8|int4|int4_asym, DENSE_FORMAT=float|bf16|int8|int4|int4_asym, DTYPE=float32|bfloat16)
+# FORMAT=bf16|int8|int4|int4_asym, DENSE_FORMAT=float|bf16|int8|int4|int4_asym, DTYPE=float32|bfloat16,
+# TOOL_PARSER=auto|hermes|deepseek|kimi_k2|glm45|harmony, REASONING_PARSER=auto|think|none)
 MODEL ?=
 PORT ?= 8000
 FORMAT ?=
 GGUF ?=
 DTYPE ?=
 DENSE_FORMAT ?=
-SERVE_ARGS := $(if $(MODEL),--model $(MODEL)) $(if $(GGUF),--gguf $(GGUF)) --port $(PORT) $(if $(FORMAT),--format $(FORMAT)) $(if $(DTYPE),--dtype $(DTYPE)) $(if $(DENSE_FORMAT),--dense-format $(DENSE_FORMAT))
+TOOL_PARSER ?=
+REASONING_PARSER ?=
+SERVE_ARGS := $(if $(MODEL),--model $(MODEL)) $(if $(GGUF),--gguf $(GGUF)) --port $(PORT) $(if $(FORMAT),--format $(FORMAT)) $(if $(DTYPE),--dtype $(DTYPE)) $(if $(DENSE_FORMAT),--dense-format $(DENSE_FORMAT)) $(if $(TOOL_PARSER),--tool-parser $(TOOL_PARSER)) $(if $(REASONING_PARSER),--reasoning-parser $(REASONING_PARSER))
 
 setup: $(NATIVE_STAMP) $(PROTO_STAMP)
 

@@ -15,6 +15,7 @@ import uvicorn
 
 from gateway.app import build_app
 from gateway.config import GatewayConfig
+from gateway.parsing.output import REASONING_PARSERS, TOOL_PARSERS
 from services.common import telemetry
 from services.common.errors import ConfigError
 from services.common.telemetry import TracingConfig
@@ -29,9 +30,14 @@ def config(argv: list[str]) -> GatewayConfig:
                    help="require this bearer key (default: $TANDEM_API_KEY; none: open)")
     p.add_argument("--max-body-bytes", type=int, default=4 << 20)
     p.add_argument("--drain-seconds", type=float, default=30.0)
+    p.add_argument("--tool-parser", default="auto", help=f"tool-call format: {', '.join(TOOL_PARSERS)} "
+                                                         "(auto: recognised from the chat template)")
+    p.add_argument("--reasoning-parser", default="auto", help=f"{', '.join(REASONING_PARSERS)} (auto: split "
+                                                              "<think> when the chat template writes it)")
     a = p.parse_args(argv)
     return GatewayConfig(dense=a.dense, host=a.host, port=a.port, api_key=a.api_key or None,
-                         max_body_bytes=a.max_body_bytes, drain_s=a.drain_seconds,
+                         max_body_bytes=a.max_body_bytes, drain_s=a.drain_seconds, tool_parser=a.tool_parser,
+                         reasoning_parser=a.reasoning_parser,
                          tracing=TracingConfig.from_env(os.environ))
 
 

@@ -31,11 +31,17 @@ def compile_template(source: str) -> jinja2.Template:
     return env.from_string(source)
 
 
-def render(source: str, messages: list[dict], bos_token: str, eos_token: str, add_generation_prompt: bool = True) -> str:
+def render(source: str, messages: list[dict], bos_token: str, eos_token: str, add_generation_prompt: bool = True,
+           tools: list[dict] | None = None, **variables) -> str:
+    """The prompt text; tools (OpenAI's {"type": "function", "function": {...}} entries) and any other
+    template variables (reasoning_effort, enable_thinking...) go to the template as transformers passes them."""
     if not source:
         raise ApiError(400, "this model has no chat template; use /v1/completions", "messages")
+    reserved = {"messages", "add_generation_prompt", "bos_token", "eos_token", "tools"} & set(variables)
+    if reserved:
+        raise ApiError(400, f"chat_template_kwargs: {sorted(reserved)[0]} is set by the server", "chat_template_kwargs")
     try:
         return compile_template(source).render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                               bos_token=bos_token, eos_token=eos_token)
-    except jinja2.exceptions.TemplateError as exc:
+                                               bos_token=bos_token, eos_token=eos_token, tools=tools, **variables)
+    except (jinja2.exceptions.TemplateError, TypeError, ValueError, KeyError, AttributeError, IndexError) as exc:
         raise ApiError(400, f"the chat template refused the messages: {exc}", "messages") from exc

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from gateway.parsing.output import REASONING_PARSERS, TOOL_PARSERS
 from services.common.errors import ConfigError
 from services.common.telemetry import TracingConfig
 
@@ -19,9 +20,16 @@ class GatewayConfig:
     drain_s: float = 30.0  # SIGTERM: how long in-flight requests may take to finish
     retry_after_s: int = 1  # told to clients when the dense service is full
     tracing: TracingConfig = TracingConfig()
+    tool_parser: str = "auto"  # the tool-call format (auto: recognised from the chat template)
+    reasoning_parser: str = "auto"  # think: split <think>...</think>; none; auto: when the template writes <think>
 
     def __post_init__(self):
         if not 0 <= self.port < 65536:
             raise ConfigError(f"--port: {self.port} is not a port")
+        if self.tool_parser not in TOOL_PARSERS:
+            raise ConfigError(f"--tool-parser: must be one of {', '.join(TOOL_PARSERS)}, got {self.tool_parser!r}")
+        if self.reasoning_parser not in REASONING_PARSERS:
+            raise ConfigError(f"--reasoning-parser: must be one of {', '.join(REASONING_PARSERS)}, "
+                              f"got {self.reasoning_parser!r}")
         if self.max_body_bytes < 1024:
             raise ConfigError(f"--max-body-bytes: must be >= 1024, got {self.max_body_bytes}")

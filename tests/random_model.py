@@ -26,6 +26,12 @@ CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
+CONVERSATION_WITH_TOOLS = (  # a chat template's body that renders tools, calls and tool results, as Qwen3's does
+    "{% if tools %}<|system|>Tools:{% for t in tools %} {{ t | tojson }}{% endfor %}<|end|>{% endif %}"
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] or '' }}"
+    "{% for c in m.get('tool_calls') or [] %}<tool_call>{{ c['function'] | tojson }}</tool_call>{% endfor %}"
+    "<|end|>{% endfor %}"
+)
 CONFIG = {
     "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": VOCAB,
     "hidden_size": 256, "intermediate_size": 512, "moe_intermediate_size": 128, "num_hidden_layers": 4,
@@ -136,6 +142,25 @@ def random_model() -> Path:
         (tmp / "config.json").write_text(json.dumps(CONFIG, indent=2))
         (tmp / "generation_config.json").write_text(json.dumps({"bos_token_id": 0, "eos_token_id": 1}))
         write_tokenizer(tmp, VOCAB, CONFIG["max_position_embeddings"])
+        os.replace(tmp, path)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+def with_template(template: str) -> Path:
+    """A copy of the random model (its files linked, not copied) whose tokenizer has another chat template."""
+    base = random_model()
+    path = ROOT / f"{base.name}-template-{hashlib.sha256(template.encode()).hexdigest()[:8]}"
+    if (path / "tokenizer_config.json").exists():
+        return path
+    tmp = Path(tempfile.mkdtemp(prefix=".building-", dir=ROOT))
+    try:
+        for f in base.iterdir():
+            if f.name != "tokenizer_config.json":
+                os.symlink(f, tmp / f.name)
+        config = json.loads((base / "tokenizer_config.json").read_text())
+        (tmp / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}, indent=2))
         os.replace(tmp, path)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

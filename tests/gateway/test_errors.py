@@ -85,11 +85,13 @@ def test_unknown_model_is_404(fast):
 def test_unsupported_features_are_400_and_unknown_fields_are_ignored(fast):
     url, _ = fast
     chat = {"model": PATH.name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
-    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
-    r = httpx.post(url + "/v1/chat/completions", json={**chat, "tools": tools})
-    assert "tools is not supported" in error_of(r, 400)["message"]
+    functions = [{"name": "f", "parameters": {}}]
+    r = httpx.post(url + "/v1/chat/completions", json={**chat, "functions": functions})
+    assert "functions is not supported" in error_of(r, 400)["message"]
+    r = httpx.post(url + "/v1/completions", json={"model": PATH.name, "prompt": "hi", "tools": [{"type": "function"}]})
+    assert error_of(r, 400)["param"] == "tools"
     r = httpx.post(url + "/v1/chat/completions", json={**chat, "response_format": {"type": "json_schema"}})
-    assert error_of(r, 400)["param"] == "response_format"
+    assert error_of(r, 400)["param"] == "response_format.json_schema"
     assert httpx.post(url + "/v1/chat/completions", json={**chat, "frobnicate": 3}).status_code == 200
 
 

@@ -27,7 +27,7 @@ from gateway.models.router import router as models_router
 from gateway.tokenize.router import router as tokenize_router
 
 log = logging.getLogger(__name__)
-OPEN_PATHS = ("/health", "/metrics", "/docs", "/openapi.json")
+OPEN_PATHS = ("/health", "/health/live", "/metrics", "/docs", "/openapi.json")
 
 
 class GatewayState:
@@ -132,6 +132,11 @@ def _install_ops(app: FastAPI) -> None:
         if await request.app.state.client.serving():
             return {"status": "ok"}
         return ApiError(503, "the dense service or one of its expert servers is not serving").response()
+
+    @app.get("/health/live")
+    async def live():
+        """This process answers (a liveness probe: the rest of the stack may still be down)."""
+        return {"status": "ok"}
 
     @app.get("/metrics", response_class=Response)
     async def metrics(request: Request):

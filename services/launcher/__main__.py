@@ -7,6 +7,7 @@ shared memory, each in its own process; ready when all three are healthy; Ctrl-C
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import signal
 import sys
 import threading
@@ -36,7 +37,16 @@ class LaunchConfig:
     threads: int = 1
     api_key: str | None = None
     served_model_name: str = ""  # "": the model directory's name
+    tool_parser: str = "auto"  # the gateway's output parsers (auto: recognised from the chat template)
+    reasoning_parser: str = "auto"
     startup_timeout_s: float = 600.0
+    max_restarts: int = 5  # a child that dies is restarted at most this often within restart_window_s
+    restart_window_s: float = 600.0
+    restart_backoff_s: float = 1.0  # before the first restart; doubles with each restart in the window
+
+    def __post_init__(self):
+        if self.max_restarts < 0:
+            raise ConfigError(f"--max-restarts: must be >= 0, got {self.max_restarts}")
 
 
 @dataclass(frozen=True)
@@ -84,6 +94,11 @@ def parse(argv: list[str]) -> LaunchConfig:
     s.add_argument("--dtype", choices=list(DTYPES), default=d.dtype, help=f"dense dtype (default here: {d.dtype})")
     s.add_argument("--threads", type=int, default=default_threads(), help="native kernel threads")
     s.add_argument("--api-key", help="require this bearer key at the gateway")
+    s.add_argument("--tool-parser", default="auto", help="the gateway's tool-call format (auto: recognised from "
+                   "the chat template; the names: python -m gateway --help)")
+    s.add_argument("--max-restarts", type=int, default=5, help="restarts of a child that dies, within 10 minutes, "
+                   "before the launcher gives up and stops (0: stop at the first death)")
+    s.add_argument("--reasoning-parser", default="auto", help="the gateway's reasoning split (auto, think, none)")
     a = p.parse_args(argv)
     model = resolve_model(a.model, a.gguf) if a.model is not None or a.gguf is not None else None
     if model is not None and not (model / "config.json").is_file():
@@ -94,7 +109,8 @@ def parse(argv: list[str]) -> LaunchConfig:
         raise ConfigError(f"--dense-format {dense}: packed dense linears run on the CPU; with a GPU keep float")
     print(f"tandem: defaults on this machine: --dtype {d.dtype} --dense-format {d.dense_format} --format {d.format} "
           f"({d.why})", flush=True)
-    return LaunchConfig(model, a.host, a.port, fmt, a.dtype, dense, a.threads, a.api_key)
+    return LaunchConfig(model, a.host, a.port, fmt, a.dtype, dense, a.threads, a.api_key,
+                        tool_parser=a.tool_parser, reasoning_parser=a.reasoning_parser, max_restarts=a.max_restarts)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -107,8 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         from services.launcher.default_model import DESCRIPTION, default_model
 
         print(f"tandem: using the built-in default model, {DESCRIPTION}", flush=True)
-        cfg = LaunchConfig(default_model(), cfg.host, cfg.port, cfg.format, cfg.dtype, cfg.dense_format, cfg.threads,
-                           cfg.api_key, served_model_name=DEFAULT_NAME)
+        cfg = dataclasses.replace(cfg, model=default_model(), served_model_name=DEFAULT_NAME)
     print(f"tandem: {cfg}", flush=True)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -1,5 +1,7 @@
 """The three child processes of `tandem serve`: started in order, each waited for until healthy,
-their output prefixed with their name, stopped in reverse order (SIGTERM, then SIGKILL)."""
+their output prefixed with their name, supervised (a child that dies is started again on the same
+port, after a backoff that doubles, up to a number of restarts within a window; then the stack
+stops), and stopped in reverse order (SIGTERM, then SIGKILL)."""
 
 from __future__ import annotations
 
@@ -13,12 +15,15 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from services.common.healthcheck import serving
 
 ROOT = Path(__file__).resolve().parents[2]
 READY = re.compile(r"ready on port (\d+)")
+MAX_BACKOFF_S = 30.0
 
 
 class Child:
@@ -80,35 +85,64 @@ def wait_until(check, child: Child, timeout: float, stop: threading.Event) -> No
         time.sleep(0.2)
 
 
+@dataclass
+class Part:
+    """One supervised child: how to start it (listen: it takes --listen, on the port it first got)."""
+
+    name: str
+    module: str
+    args: list[str]
+    healthy: Callable[[Part], bool]
+    listen: bool = True
+    port: int = 0
+    child: Child | None = None
+    restarts: list[float] = field(default_factory=list)  # when it was restarted (time.monotonic)
+
+    def argv(self) -> list[str]:
+        listen = ["--listen", f"127.0.0.1:{self.port}"] if self.listen else []
+        return [sys.executable, "-m", self.module, *self.args, *listen]
+
+
 class Stack:
     def __init__(self, cfg):
         self.cfg = cfg
-        self.children: list[Child] = []
+        self.parts: list[Part] = []
         self.clean_exit = True
 
-    def _spawn(self, name: str, module: str, args: list[str]) -> Child:
-        child = Child(name, [sys.executable, "-m", module, *args])
-        self.children.append(child)
-        return child
+    @property
+    def children(self) -> list[Child]:
+        return [p.child for p in self.parts if p.child is not None]
+
+    def _run(self, part: Part, stop: threading.Event) -> None:
+        """Starts the part's process and waits until it is healthy."""
+        timeout = self.cfg.startup_timeout_s
+        part.child = Child(part.name, part.argv())
+        print(f"tandem: {part.name} started (pid {part.child.proc.pid})", flush=True)
+        if part.listen:
+            part.port = part.child.wait_port(timeout, stop)
+        wait_until(lambda: part.healthy(part), part.child, timeout, stop)
+
+    def _add(self, part: Part, stop: threading.Event) -> Part:
+        self.parts.append(part)
+        self._run(part, stop)
+        return part
 
     def start(self, stop: threading.Event) -> None:
-        c, timeout = self.cfg, self.cfg.startup_timeout_s
-        expert = self._spawn("expert", "expert_server", [
-            "--model", str(c.model), "--format", c.format, "--threads", str(c.threads), "--listen", "127.0.0.1:0"])
-        expert_port = expert.wait_port(timeout, stop)
-        wait_until(lambda: grpc_serving(expert_port), expert, timeout, stop)
-        dense = self._spawn("dense", "services.dense", [
+        c = self.cfg
+        grpc_ok = lambda part: grpc_serving(part.port)  # noqa: E731
+        expert = self._add(Part("expert", "expert_server", [
+            "--model", str(c.model), "--format", c.format, "--threads", str(c.threads)], grpc_ok), stop)
+        dense = self._add(Part("dense", "services.dense", [
             "--model", str(c.model), "--dtype", c.dtype, "--dense-format", c.dense_format, "--threads", str(c.threads),
-            "--experts", "remote", "--transport", "shm",
-            "--expert-servers", f"127.0.0.1:{expert_port}", "--listen", "127.0.0.1:0",
-            "--served-model-name", c.served_model_name])
-        dense_port = dense.wait_port(timeout, stop)
-        wait_until(lambda: grpc_serving(dense_port), dense, timeout, stop)
-        args = ["--dense", f"127.0.0.1:{dense_port}", "--host", c.host, "--port", str(c.port)]
+            "--experts", "remote", "--transport", "shm", "--expert-servers", f"127.0.0.1:{expert.port}",
+            "--served-model-name", c.served_model_name], grpc_ok), stop)
+        args = ["--dense", f"127.0.0.1:{dense.port}", "--host", c.host, "--port", str(c.port),
+                "--tool-parser", c.tool_parser, "--reasoning-parser", c.reasoning_parser]
         env_key = {"TANDEM_API_KEY": c.api_key} if c.api_key else {}
         os.environ.update(env_key)  # the key goes to the gateway by environment, never on a command line
-        gateway = self._spawn("gateway", "gateway", args)
-        wait_until(lambda: http_ok(self.url + "/health"), gateway, timeout, stop)
+        gateway = self._add(Part("gateway", "gateway", args, lambda part: http_ok(self.url + "/health/live"),
+                                 listen=False), stop)
+        wait_until(lambda: http_ok(self.url + "/health"), gateway.child, c.startup_timeout_s, stop)
 
     @property
     def url(self) -> str:
@@ -126,13 +160,38 @@ class Stack:
               flush=True)
 
     def watch(self, stop: threading.Event) -> None:
-        """Returns on Ctrl-C/SIGTERM, or when a child dies (then the exit is not clean)."""
+        """Restarts children that die; returns on Ctrl-C/SIGTERM, or when a child has died more often
+        than the restart limit allows (then the exit is not clean)."""
         while not stop.wait(0.5):
-            for child in self.children:
-                if child.proc.poll() is not None:
-                    print(f"tandem: {child.name} exited with code {child.proc.returncode}; stopping", flush=True)
+            for part in self.parts:
+                code = part.child.proc.poll()
+                if code is not None and not stop.is_set() and not self._restart(part, code, stop):
                     self.clean_exit = False
                     return
+
+    def _restart(self, part: Part, code: int, stop: threading.Event) -> bool:
+        """Starts a dead part again after its backoff; False once it has used up its restarts."""
+        c, now = self.cfg, time.monotonic()
+        part.restarts = [t for t in part.restarts if now - t < c.restart_window_s]
+        if len(part.restarts) >= c.max_restarts:
+            print(f"tandem: {part.name} exited with code {code} after {len(part.restarts)} restarts within "
+                  f"{c.restart_window_s:g} s (--max-restarts {c.max_restarts}); stopping", file=sys.stderr, flush=True)
+            return False
+        delay = min(c.restart_backoff_s * 2 ** len(part.restarts), MAX_BACKOFF_S)
+        part.restarts.append(now)
+        print(f"tandem: {part.name} exited with code {code}; restarting it in {delay:g} s on port "
+              f"{part.port or c.port} (restart {len(part.restarts)} of {c.max_restarts} within "
+              f"{c.restart_window_s:g} s)", flush=True)
+        if stop.wait(delay):
+            return True
+        try:
+            self._run(part, stop)
+        except RuntimeError as exc:
+            print(f"tandem: {part.name} did not come back: {exc}", flush=True)
+            part.child.stop(5)  # seen dead on the next pass: restarted again or given up on
+            return True
+        print(f"tandem: {part.name} is back", flush=True)
+        return True
 
     def stop(self) -> None:
         for child in reversed(self.children):

@@ -98,3 +98,10 @@ def test_images_are_pinned(name):
     base = re.search(r"^FROM (\S+)", text, re.M).group(1)
     assert ":" in base and not base.endswith(":latest")
     assert "pip install" in text and "build_ext --inplace" in text and "grpc_tools.protoc" in text
+
+
+@pytest.mark.parametrize("name", ["docker-compose.yml", "docker-compose.remote.yml", "docker-compose.expert-host.yml"])
+def test_every_tandem_service_restarts_after_a_crash(name):
+    for key, service in load(name)["services"].items():
+        if service.get("image", "").startswith("tandem-"):
+            assert service.get("restart") in ("unless-stopped", "always", "on-failure"), (name, key)

@@ -21,7 +21,7 @@ def free_port() -> int:
 
 class Launched:
     def __init__(self, port: int):
-        self.port, self.lines, self.code = port, [], None
+        self.port, self.lines, self.code, self.proc = port, [], None, None
         self.url = f"http://127.0.0.1:{port}/v1"
 
 
@@ -31,6 +31,7 @@ def serve(*args: str, env: dict | None = None, ready_s: float = 300):
     run = Launched(free_port())
     proc = subprocess.Popen([sys.executable, "-m", "services.launcher", "serve", "--port", str(run.port), *args],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    run.proc = proc
     ready = threading.Event()
 
     def read():

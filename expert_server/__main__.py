@@ -26,7 +26,9 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gguf", type=Path, help="weights from this GGUF file (the first of a split); --model DIR "
                    "then gives config.json and the tokenizer")
     p.add_argument("--format", choices=FORMATS, default="int4", help="expert weight format (default int4)")
-    p.add_argument("--layers", help="layer range A-B (inclusive) this server owns; default all")
+    p.add_argument("--layers", help="layer range A-B (inclusive) this server owns; default all. A comma list "
+                   "of ranges with --shard N: the N-th (a StatefulSet's pod index)")
+    p.add_argument("--shard", type=int, help="which range of a --layers list this server owns")
     p.add_argument("--threads", type=int, default=default_threads(), help="kernel threads (default: physical cores)")
     p.add_argument("--group-size", type=int, default=DEFAULT_GROUP_SIZE, help="quantization group size")
 
@@ -63,7 +65,7 @@ def serve(args: argparse.Namespace) -> int:
     from expert_server.app import start
 
     cfg = ServerConfig(
-        model=resolve_model(args.model, args.gguf), format=args.format, layers=parse_layers(args.layers), threads=args.threads,
+        model=resolve_model(args.model, args.gguf), format=args.format, layers=parse_layers(args.layers, args.shard), threads=args.threads,
         listen=args.listen, store=args.store, group_size=args.group_size, max_tokens=args.max_tokens,
         tls_cert=args.tls_cert, tls_key=args.tls_key, echo=args.echo, drain_s=args.drain_seconds,
         spin_us=args.spin_us, compute_port=parse_port(args.compute_port),
@@ -91,7 +93,7 @@ def convert(args: argparse.Namespace) -> int:
 
     checkpoint = Checkpoint(resolve_model(args.model, args.gguf))
     model_cfg = parse_model_config(checkpoint.config)
-    layers = store.moe_layers(model_cfg, parse_layers(args.layers))
+    layers = store.moe_layers(model_cfg, parse_layers(args.layers, args.shard))
     print(f"converting {len(layers)} MoE layers of {checkpoint.dir} ({checkpoint.source.kind}) to {args.format}",
           file=sys.stderr, flush=True)
     report = store.convert(checkpoint, model_cfg, layers, args.format, args.group_size,

@@ -19,10 +19,18 @@ def parse_port(text: str) -> int | None:
         raise ConfigError(f"--compute-port: expected a port in [0, 65535] or 'off', got {text!r}") from None
 
 
-def parse_layers(text: str | None) -> tuple[int, int] | None:
-    """'A-B' (inclusive) or a single 'A' into a range; None means every layer."""
+def parse_layers(text: str | None, shard: int | None = None) -> tuple[int, int] | None:
+    """'A-B' (inclusive) or a single 'A' into a range; None means every layer. A comma list of
+    ranges, one per server (as a StatefulSet gives its pods one argument list), takes the shard-th."""
     if text is None:
         return None
+    ranges = text.split(",")
+    if shard is not None:
+        if not 0 <= shard < len(ranges):
+            raise ConfigError(f"--shard: {shard} is not an index into the {len(ranges)} ranges of --layers {text!r}")
+        text = ranges[shard]
+    elif len(ranges) > 1:
+        raise ConfigError(f"--layers: a list of ranges ({text!r}) needs --shard to pick one")
     parts = text.split("-")
     try:
         lo, hi = (int(parts[0]), int(parts[-1])) if len(parts) in (1, 2) else (None, None)

@@ -181,3 +181,7 @@ def test_every_command_takes_its_flags(name):
         if doc["kind"] in WORKLOADS:
             for c in containers(doc):
                 accepts(expanded(c))
+
+
+def test_a_layer_list_and_a_shard_pick_one_range():
+    assert parse_layers("1-2,3-5", 1) == (3, 5) and parse_layers("4", None) == (4, 4)

@@ -94,6 +94,8 @@ def run_cli(*args):
     (["--layers", "2-1"], "--layers"),
     (["--layers", "0-0"], "no MoE layer"),         # deepseek_v3's layer 0 is dense
     (["--layers", "0-9"], "past the model"),
+    (["--layers", "1-2,3-3"], "needs --shard"),
+    (["--layers", "1-2,3-3", "--shard", "2"], "--shard: 2"),
     (["--threads", "0"], "--threads"),
     (["--format", "fp8"], "--format"),
     (["--tls-cert", "/x.pem"], "--tls-key"),

@@ -1,4 +1,4 @@
-"""python -m gateway --dense HOST:PORT [--host H --port P --api-key K]
+"""python -m gateway --dense HOST:PORT[,HOST:PORT...] [--host H --port P --api-key K]
 
 The one place flags are read. SIGTERM (uvicorn's) stops accepting, lets in-flight requests finish
 within --drain-seconds, then exits.
@@ -23,7 +23,8 @@ from services.common.telemetry import TracingConfig
 
 def config(argv: list[str]) -> GatewayConfig:
     p = argparse.ArgumentParser(prog="python -m gateway", description="OpenAI-compatible HTTP gateway.")
-    p.add_argument("--dense", default="127.0.0.1:50051", help="the dense service's gRPC address")
+    p.add_argument("--dense", default="127.0.0.1:50051", help="the dense service's gRPC address; several, comma-separated: each request goes to the "
+                   "least-loaded healthy one")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=os.environ.get("TANDEM_API_KEY"),

@@ -19,7 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from gateway.chat.router import router as chat_router
 from gateway.completions.router import router as completions_router
 from gateway.config import GatewayConfig
-from gateway.dense_client import DenseClient
+from gateway.dense_client import DensePool
 from gateway.errors import ApiError, ErrorBody, FieldError, from_grpc
 from gateway.metrics import Metrics
 from gateway.messages.router import router as messages_router
@@ -141,16 +141,17 @@ def _install_ops(app: FastAPI) -> None:
     @app.get("/metrics", response_class=Response)
     async def metrics(request: Request):
         state = request.app.state
-        try:
-            state.metrics.engine(await state.client.stats())
-        except grpc.aio.AioRpcError:
-            log.warning("dense service unreachable for stats")
+        stats = await state.client.stats()
+        if len(stats) < len(state.config.dense_addresses):
+            log.warning("dense service unreachable for stats: %s",
+                        ", ".join(a for a in state.config.dense_addresses if a not in stats))
+        state.metrics.engine(stats)
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
 def build_app(config: GatewayConfig, client=None) -> FastAPI:
     app = FastAPI(title="Tandem", version="0.1.0", description="OpenAI-compatible API of a Tandem MoE server")
-    state = GatewayState(config, client or DenseClient(config.dense))
+    state = GatewayState(config, client or DensePool(config.dense_addresses))
     for name in ("config", "client", "metrics", "call", "check_model"):
         setattr(app.state, name, getattr(state, name))
     _install_errors(app)

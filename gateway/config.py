@@ -11,7 +11,7 @@ from services.common.telemetry import TracingConfig
 
 @dataclass(frozen=True)
 class GatewayConfig:
-    dense: str = "127.0.0.1:50051"  # the dense service's gRPC address
+    dense: str = "127.0.0.1:50051"  # the dense services' gRPC addresses, comma-separated
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None  # when set, /v1/* and /tokenize, /detokenize need "Authorization: Bearer <key>"
@@ -23,7 +23,16 @@ class GatewayConfig:
     tool_parser: str = "auto"  # the tool-call format (auto: recognised from the chat template)
     reasoning_parser: str = "auto"  # think: split <think>...</think>; none; auto: when the template writes <think>
 
+    @property
+    def dense_addresses(self) -> list[str]:
+        return self.dense.split(",")
+
     def __post_init__(self):
+        addresses = self.dense_addresses
+        if any(a.rpartition(":")[0] == "" or not a.rpartition(":")[2].isdigit() for a in addresses):
+            raise ConfigError(f"--dense: expected HOST:PORT[,HOST:PORT...], got {self.dense!r}")
+        if len(set(addresses)) != len(addresses):
+            raise ConfigError(f"--dense: an address is listed twice in {self.dense!r}")
         if not 0 <= self.port < 65536:
             raise ConfigError(f"--port: {self.port} is not a port")
         if self.tool_parser not in TOOL_PARSERS:

@@ -34,20 +34,24 @@ class Metrics:
         self.prefix_hits = Counter(PREFIX + "prefix_cache_hits", "Prompt tokens found in the prefix cache", registry=r)
         self.prefix_hit_rate = Gauge(PREFIX + "prefix_cache_hit_rate", "Prefix cache hits over queries, in tokens",
                                      registry=r)
-        self._last: dict[str, int] = {}  # the dense service's cumulative counts at the last poll
+        self._last: dict[tuple[str, str], int] = {}  # (address, name): a service's cumulative count at the last poll
 
-    def engine(self, stats) -> None:
-        self.engine_running.set(stats.running)
-        self.engine_waiting.set(stats.waiting)
-        self.kv_usage.set(stats.kv_blocks_used / stats.kv_blocks_total if stats.kv_blocks_total else 0.0)
-        for counter, name in ((self.preemptions, "preemptions"), (self.prefix_queries, "prefix_cache_queries"),
-                              (self.prefix_hits, "prefix_cache_hits")):
-            self._add(counter, name, getattr(stats, name))
-        queries = stats.prefix_cache_queries
-        self.prefix_hit_rate.set(stats.prefix_cache_hits / queries if queries else 0.0)
+    def engine(self, stats: dict) -> None:
+        """The dense services' stats (address -> GetStatsResponse, the ones that answered), summed."""
+        total = lambda name: sum(getattr(s, name) for s in stats.values())  # noqa: E731
+        self.engine_running.set(total("running"))
+        self.engine_waiting.set(total("waiting"))
+        blocks = total("kv_blocks_total")
+        self.kv_usage.set(total("kv_blocks_used") / blocks if blocks else 0.0)
+        for address, s in stats.items():
+            for counter, name in ((self.preemptions, "preemptions"), (self.prefix_queries, "prefix_cache_queries"),
+                                  (self.prefix_hits, "prefix_cache_hits")):
+                self._add(counter, (address, name), getattr(s, name))
+        queries = total("prefix_cache_queries")
+        self.prefix_hit_rate.set(total("prefix_cache_hits") / queries if queries else 0.0)
 
-    def _add(self, counter: Counter, name: str, total: int) -> None:
-        """Adds what a cumulative count of the service's grew by (all of it after a restart)."""
-        last = self._last.get(name, 0)
+    def _add(self, counter: Counter, key: tuple[str, str], total: int) -> None:
+        """Adds what a cumulative count of one service's grew by (all of it after a restart)."""
+        last = self._last.get(key, 0)
         counter.inc(total - last if total >= last else total)
-        self._last[name] = total
+        self._last[key] = total

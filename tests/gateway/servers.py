@@ -17,14 +17,16 @@ from services.dense.runtime import DenseRuntime
 
 def dense(path, experts=None, **kw):
     cfg = DenseConfig(model=path, runtime=DenseRuntime("float32", "cpu"), experts="native", expert_format="int8",
-                      threads=2, listen="127.0.0.1:0", **{"kv_tokens": 4096, **kw})
+                      threads=2, **{"kv_tokens": 4096, "listen": "127.0.0.1:0", **kw})
     return start(cfg, experts)
 
 
 @contextlib.contextmanager
-def gateway(dense_port: int, **kw):
-    """Yields (base URL, app) of a gateway served by uvicorn in a thread."""
-    app = build_app(GatewayConfig(dense=f"127.0.0.1:{dense_port}", port=0, **kw))
+def gateway(dense_port: int | str, **kw):
+    """Yields (base URL, app) of a gateway served by uvicorn in a thread (dense_port: a port on this
+    host, or the --dense addresses)."""
+    dense = dense_port if isinstance(dense_port, str) else f"127.0.0.1:{dense_port}"
+    app = build_app(GatewayConfig(dense=dense, port=0, **kw))
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

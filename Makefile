@@ -8,7 +8,7 @@ NATIVE_SOURCES := $(shell find native -name '*.cpp' -o -name '*.h') setup.py
 PROTOS := $(shell find protos -name '*.proto')
 PROTO_STAMP := tandem/.generated
 
-.PHONY: test setup native protos serve clean grpc-cpp
+.PHONY: test setup native protos serve clean grpc-cpp iproute2
 
 # `make serve`: the whole stack on this host (MODEL=dir or file.gguf, GGUF=file, PORT=8000,
 # FORMAT=bf16|int8|int4|int4_asym, DENSE_FORMAT=float|bf16|int8|int4|int4_asym, DTYPE=float32|bfloat16,
@@ -23,7 +23,7 @@ TOOL_PARSER ?=
 REASONING_PARSER ?=
 SERVE_ARGS := $(if $(MODEL),--model $(MODEL)) $(if $(GGUF),--gguf $(GGUF)) --port $(PORT) $(if $(FORMAT),--format $(FORMAT)) $(if $(DTYPE),--dtype $(DTYPE)) $(if $(DENSE_FORMAT),--dense-format $(DENSE_FORMAT)) $(if $(TOOL_PARSER),--tool-parser $(TOOL_PARSER)) $(if $(REASONING_PARSER),--reasoning-parser $(REASONING_PARSER))
 
-setup: $(NATIVE_STAMP) $(PROTO_STAMP)
+setup: $(NATIVE_STAMP) $(PROTO_STAMP) iproute2
 
 # Reinstall only when the project's dependency list changes (the install builds native/ too).
 $(STAMP): pyproject.toml
@@ -40,6 +40,13 @@ grpc-cpp:
 	  { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && apt-get update -qq && \
 	    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $(GRPC_CPP) >/dev/null; } || \
 	  echo "grpc++ is not installed (needs root and apt-get): building without tandem_grpc"
+
+# iproute2's `ip`, for the test that gives the expert server a network namespace of its own (a
+# second host): installed with apt where this runs as root; elsewhere that test skips.
+iproute2:
+	@command -v ip >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && apt-get update -qq && \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends iproute2 >/dev/null; } || \
+	  echo "iproute2 is not installed (needs root and apt-get): the two-host test will skip"
 
 # Rebuild the kernels (and tandem_grpc) in place when their sources change.
 $(NATIVE_STAMP): $(STAMP) $(NATIVE_SOURCES) protos/tandem/v1/expert.proto | grpc-cpp

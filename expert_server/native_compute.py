@@ -18,7 +18,7 @@ from expert_server.drain import CallActivity, quiet
 from expert_server.executor import ExpertExecutor
 from expert_server.tracing import CallTracer
 from services.common.errors import ConfigError
-from services.common.grpc_defaults import native_grpc
+from services.common.grpc_defaults import KEEPALIVE_MS, native_grpc
 
 log = logging.getLogger(__name__)
 MAX_MESSAGE_BYTES = 256 << 20
@@ -45,7 +45,7 @@ class NativeCompute:
         key = cfg.tls_key.read_text() if cfg.tls_key else ""
         try:
             self.server = tandem_grpc.ComputeServer(executor.native, f"{host}:{cfg.compute_port}", cert, key,
-                                                    MAX_MESSAGE_BYTES, MAX_THREADS)
+                                                    MAX_MESSAGE_BYTES, MAX_THREADS, KEEPALIVE_MS)
         except RuntimeError as exc:
             raise OSError(f"--compute-port: {exc}") from exc
         self.port = self.server.port

@@ -17,6 +17,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from expert_server.config import ServerConfig
+from services.common.grpc_defaults import SERVER_KEEPALIVE
 from expert_server.drain import CallActivity, StreamActivity
 from expert_server.executor import ExpertExecutor
 from expert_server.native_compute import NativeCompute
@@ -152,7 +153,8 @@ def build_server(cfg: ServerConfig, servicer: ExpertServicer) -> tuple[grpc.Serv
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="expert-rpc"),
         maximum_concurrent_rpcs=60,
-        options=[("grpc.max_receive_message_length", 256 << 20), ("grpc.max_send_message_length", 256 << 20)],
+        options=[("grpc.max_receive_message_length", 256 << 20), ("grpc.max_send_message_length", 256 << 20),
+                 *SERVER_KEEPALIVE],
     )
     pb_grpc.add_ExpertServiceServicer_to_server(servicer, server)
     health_servicer = health.HealthServicer()

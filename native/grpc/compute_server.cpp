@@ -203,7 +203,7 @@ private:
 class ComputeServer {
 public:
     ComputeServer(py::object executor, const std::string& address, const std::string& cert_pem,
-                  const std::string& key_pem, int max_message_bytes, int max_threads)
+                  const std::string& key_pem, int max_message_bytes, int max_threads, int keepalive_ms)
         : api_obj_(executor.attr("api")) {
         api_ = static_cast<const TandemExecutorApi*>(PyCapsule_GetPointer(api_obj_.ptr(), TANDEM_EXECUTOR_API_NAME));
         if (api_ == nullptr) throw py::error_already_set();
@@ -221,6 +221,10 @@ public:
         builder.AddListeningPort(address, creds, &port_);
         builder.SetMaxReceiveMessageSize(max_message_bytes);
         builder.SetMaxSendMessageSize(max_message_bytes);
+        // Clients ping every keepalive_ms (services/common/grpc_defaults.py): allowed, calls or not.
+        builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, keepalive_ms / 2);
+        builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+        builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_PING_STRIKES, 0);
         grpc::ResourceQuota quota("tandem-compute");
         quota.SetMaxThreads(max_threads);  // a thread a stream, and the pollers: streams past it get RESOURCE_EXHAUSTED
         builder.SetResourceQuota(quota);
@@ -292,9 +296,9 @@ namespace tandem {
 
 void register_compute_server(py::module_& m) {
     py::class_<ComputeServer>(m, "ComputeServer")
-        .def(py::init<py::object, const std::string&, const std::string&, const std::string&, int, int>(),
+        .def(py::init<py::object, const std::string&, const std::string&, const std::string&, int, int, int>(),
              py::arg("executor"), py::arg("address"), py::arg("cert_pem") = "", py::arg("key_pem") = "",
-             py::arg("max_message_bytes") = 256 << 20, py::arg("max_threads") = 64,
+             py::arg("max_message_bytes") = 256 << 20, py::arg("max_threads") = 64, py::arg("keepalive_ms") = 5000,
              "Serves Compute on address (host:port, port 0: any free one) with tandem_native.Executor executor; "
              "TLS when cert_pem is given")
         .def_property_readonly("port", &ComputeServer::port)

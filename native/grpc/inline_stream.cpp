@@ -94,10 +94,17 @@ void log_line(gpr_log_func_args* a) {
 
 class InlineStream {
 public:
-    InlineStream(const std::string& target, const std::string& root_pem, int max_message_bytes, double connect_s) {
+    InlineStream(const std::string& target, const std::string& root_pem, int max_message_bytes, double connect_s,
+                 int keepalive_ms) {
         grpc::ChannelArguments args;
         args.SetMaxReceiveMessageSize(max_message_bytes);
         args.SetMaxSendMessageSize(max_message_bytes);
+        if (keepalive_ms > 0) {  // a quiet link ends the stream with UNAVAILABLE (services/common/grpc_defaults.py)
+            args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, keepalive_ms);
+            args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, keepalive_ms);
+            args.SetInt(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+            args.SetInt(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
+        }
         auto creds = root_pem.empty() ? grpc::InsecureChannelCredentials()
                                       : grpc::SslCredentials(grpc::SslCredentialsOptions{root_pem, "", ""});
         stub_ = pb::ExpertService::NewStub(grpc::CreateCustomChannel(target, creds, args));
@@ -240,9 +247,10 @@ PYBIND11_MODULE(tandem_grpc, m) {
         }
     });
     py::class_<InlineStream>(m, "InlineStream")
-        .def(py::init<const std::string&, const std::string&, int, double>(), py::arg("target"),
+        .def(py::init<const std::string&, const std::string&, int, double, int>(), py::arg("target"),
              py::arg("root_pem") = "", py::arg("max_message_bytes") = 256 << 20, py::arg("connect_s") = 30.0,
-             "Opens a Compute stream to target (TLS when root_pem is given)")
+             py::arg("keepalive_ms") = 0,
+             "Opens a Compute stream to target (TLS when root_pem is given; keepalive_ms: ping period and timeout)")
         .def("submit", &InlineStream::submit, py::arg("layer"), py::arg("x"), py::arg("ids"), py::arg("weights"),
              py::arg("traceparent") = "", py::arg("trace_each") = false, py::arg("timeout_s") = 120.0,
              "Sends x [T, D] (float32 or bfloat16 bits), ids [T, K] int64, weights [T, K] float32")

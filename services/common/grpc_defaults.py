@@ -16,6 +16,17 @@ import os
 
 EXPERIMENTS = "-event_engine_client,-event_engine_listener,-event_engine_for_all_other_endpoints"
 
+# Keepalive on the dense side's channels to expert servers: a link that goes quiet (a cable pulled,
+# a host gone, packets dropped) ends the calls in flight with UNAVAILABLE after about
+# KEEPALIVE_MS + KEEPALIVE_MS, well inside a call's deadline, instead of at the deadline. The expert
+# servers accept pings that often, with or without calls (gRPC's default allows one per 5 minutes
+# and closes the connection after two pings more).
+KEEPALIVE_MS = 5000
+CLIENT_KEEPALIVE = [("grpc.keepalive_time_ms", KEEPALIVE_MS), ("grpc.keepalive_timeout_ms", KEEPALIVE_MS),
+                    ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_pings_without_data", 0)]
+SERVER_KEEPALIVE = [("grpc.http2.min_ping_interval_without_data_ms", KEEPALIVE_MS // 2),
+                    ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_ping_strikes", 0)]
+
 
 def apply() -> None:
     os.environ.setdefault("GRPC_EXPERIMENTS", EXPERIMENTS)

@@ -91,8 +91,11 @@ class BlockPool:
                  device: torch.device, caching: bool = False):
         shapes = entry_shapes(config)
         self.num_blocks, self.block_size, self.device, self.caching = num_blocks, block_size, device, caching
+        # zeros, not empty: every page is touched here, so the service holds its whole KV budget from
+        # the start (memory that is not there fails at startup, not under load) and its RSS stays flat
+        # while the prefix cache spreads over the pool.
         self.layers = [
-            tuple(torch.empty((num_blocks * block_size, *s), dtype=dtype, device=device) for s in shapes)
+            tuple(torch.zeros((num_blocks * block_size, *s), dtype=dtype, device=device) for s in shapes)
             for _ in range(config.num_layers)
         ]
         self._free = list(range(num_blocks - 1, -1, -1))  # holding nothing reusable

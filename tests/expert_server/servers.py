@@ -27,11 +27,13 @@ def in_process(path, fmt="int8", layers=None, threads=2, **kw):
 
 
 class Spawned:
-    """A `python -m expert_server` child; its port is read from its 'ready on port' line."""
+    """A `python -m expert_server` child; its port is read from its 'ready on port' line (prefix: a
+    command it runs under, as `ip netns exec NAME`; host: the address it listens on)."""
 
-    def __init__(self, path, fmt="int8", layers=None, port=0, extra=(), timeout=120):
-        cmd = [sys.executable, "-m", "expert_server", "--model", str(path), "--format", fmt, "--threads", "2",
-               "--listen", f"127.0.0.1:{port}", *extra]
+    def __init__(self, path, fmt="int8", layers=None, port=0, extra=(), timeout=120, prefix=(), host="127.0.0.1"):
+        self.host = host
+        cmd = [*prefix, sys.executable, "-m", "expert_server", "--model", str(path), "--format", fmt, "--threads", "2",
+               "--listen", f"{host}:{port}", *extra]
         if layers:
             cmd += ["--layers", layers]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE, text=True, env=dict(os.environ))
@@ -57,7 +59,7 @@ class Spawned:
 
     @property
     def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        return f"{self.host}:{self.port}"
 
     def signal(self, sig) -> None:
         self.proc.send_signal(sig)

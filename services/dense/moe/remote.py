@@ -20,6 +20,7 @@ from opentelemetry import trace
 from services.common import shm_layout as shm
 from services.common import telemetry
 from services.common.errors import ConfigError, ExpertBackendError
+from services.common.grpc_defaults import CLIENT_KEEPALIVE
 from services.common.model_config import ModelConfig
 from services.dense.moe.experts import ExpertBackend
 from services.dense.moe.transport import ShmTransport, inline_transport, native_grpc, rpc_error
@@ -36,6 +37,7 @@ CHANNEL_OPTIONS = [
     ("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
     ("grpc.max_reconnect_backoff_ms", 1000),
     ("grpc.max_receive_message_length", 256 << 20), ("grpc.max_send_message_length", 256 << 20),
+    *CLIENT_KEEPALIVE,
 ]
 
 

@@ -26,7 +26,7 @@ import torch
 from services.common import shm_layout as shm
 from services.common import wire
 from services.common.errors import ExpertBackendError
-from services.common.grpc_defaults import native_grpc
+from services.common.grpc_defaults import KEEPALIVE_MS, native_grpc
 from tandem.v1 import expert_pb2 as pb
 
 _STATUS = {0: "OK", 3: "INVALID_ARGUMENT", 13: "INTERNAL"}
@@ -197,7 +197,8 @@ class NativeInlineTransport:
         self.dead = threading.Event()
         self._failure = tandem_grpc.RpcFailure
         try:
-            self._stream = tandem_grpc.InlineStream(address, (tls_root or b"").decode(), 256 << 20, connect_timeout_s)
+            self._stream = tandem_grpc.InlineStream(address, (tls_root or b"").decode(), 256 << 20, connect_timeout_s,
+                                                    KEEPALIVE_MS)
         except tandem_grpc.RpcFailure as exc:
             code, details = exc.args
             raise ExpertBackendError(-1, f"Compute stream to {address}: {details or code}", code) from exc

@@ -23,7 +23,6 @@ import os
 import random
 import re
 import signal
-import statistics
 import subprocess
 import sys
 import threading
@@ -31,7 +30,7 @@ import time
 import urllib.error
 import urllib.request
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc

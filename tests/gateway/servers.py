@@ -38,3 +38,17 @@ def gateway(dense_port: int | str, **kw):
     finally:
         server.should_exit = True
         thread.join(10)
+
+
+@contextlib.contextmanager
+def openai_stack(path):
+    """Yields (openai client, served model name) of a dense service on path behind a gateway."""
+    import openai
+
+    running = dense(path)
+    try:
+        with gateway(running.port) as (url, _):
+            client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+            yield client, client.models.list().data[0].id
+    finally:
+        running.stop(1)

@@ -14,7 +14,7 @@ import pytest
 from pydantic import BaseModel, Field
 
 from tests.checkpoints import checkpoint
-from tests.gateway.servers import dense, gateway
+from tests.gateway.servers import openai_stack
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("tandem_native")
@@ -40,11 +40,8 @@ class Person(BaseModel):
 
 @pytest.fixture(scope="module")
 def stack():
-    running = dense(PATH)
-    with gateway(running.port) as (url, app):
-        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
-        yield client, client.models.list().data[0].id
-    running.stop(1)
+    with openai_stack(PATH) as served:
+        yield served
 
 
 def test_the_client_sends_defs_patterns_lengths_enums():

@@ -7,7 +7,7 @@ import json
 import pytest
 from pydantic import BaseModel, Field
 
-from tests.gateway.servers import dense, gateway
+from tests.gateway.servers import openai_stack
 from tests.random_model import random_model
 
 openai = pytest.importorskip("openai")
@@ -34,11 +34,8 @@ MODELS = {"get_weather": Weather, "get_time": Clock}  # the schemas the tools we
 
 @pytest.fixture(scope="module")
 def stack():
-    running = dense(PATH)
-    with gateway(running.port) as (url, app):
-        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
-        yield client, client.models.list().data[0].id
-    running.stop(1)
+    with openai_stack(PATH) as served:
+        yield served
 
 
 def valid(call) -> bool:

@@ -138,10 +138,12 @@ class Launcher:
     def stop(self) -> int:
         self.proc.send_signal(signal.SIGTERM)
         try:
-            return self.proc.wait(120)
+            code = self.proc.wait(120)
         except subprocess.TimeoutExpired:
             os.killpg(self.proc.pid, signal.SIGKILL)
-            return self.proc.wait()
+            code = self.proc.wait()
+        self.log.close()
+        return code
 
 
 def ours_in_shm() -> set[str]:
@@ -150,10 +152,9 @@ def ours_in_shm() -> set[str]:
 
 def alive(pid: int) -> bool:
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        return not Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1].startswith("Z")
+    except OSError:
         return False
-    return not Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1].startswith("Z")
 
 
 # ------------------------------------------------------------------ samples

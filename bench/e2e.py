@@ -28,20 +28,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import socket
 import statistics
 import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from bench._machine import machine_info, progress
+from bench._stream import streamed_rate
 from bench.checkpoint import CACHE_ROOT, REPO, bench_checkpoint, mla_checkpoint
 
 RESULTS = Path(__file__).resolve().parent / "results" / "e2e.json"
@@ -231,18 +230,8 @@ class TandemStack:
 
     def decode(self, prompt: list[int], n: int) -> float:
         """Streamed greedy tokens over HTTP: tokens after the first over the time between them."""
-        body = json.dumps({"model": "bench", "prompt": prompt, "max_tokens": n + 1, "temperature": 0, "stream": True,
-                           "ignore_eos": True}).encode()
-        req = urllib.request.Request(f"http://127.0.0.1:{self.port}/v1/completions", body,
-                                     {"Content-Type": "application/json"})
-        stamps = []
-        with urllib.request.urlopen(req, timeout=600) as r:
-            for line in r:
-                if line.startswith(b"data: {") and b'"text"' in line:
-                    stamps.append(time.perf_counter())
-        if len(stamps) < 2:
-            raise RuntimeError(f"the stack streamed {len(stamps)} chunks")
-        return (len(stamps) - 1) / (stamps[-1] - stamps[0])
+        body = {"model": "bench", "prompt": prompt, "max_tokens": n + 1, "temperature": 0, "ignore_eos": True}
+        return streamed_rate(self.port, body, n)
 
     def close(self) -> None:
         self.stop_event.set()

@@ -16,10 +16,10 @@ import json
 import statistics
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 from bench._machine import ForeignLoad, machine_info, progress
+from bench._stream import streamed_rate
 from bench.checkpoint import bench_checkpoint
 from bench.e2e import TandemStack
 
@@ -36,23 +36,10 @@ def prompt(seed: int, n: int) -> list[int]:
 
 
 def decode(port: int, ids: list[int], n: int, constrained: bool) -> float:
-    """Streamed greedy tokens/s after the first, counted by the usage each chunk carries (a token whose
-    text is held back, as a byte-fallback piece, sends no chunk of its own)."""
-    body = {"model": "bench", "prompt": ids, "max_tokens": n + 1, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    """Streamed greedy tokens/s after the first."""
+    body = {"model": "bench", "prompt": ids, "max_tokens": n + 1, "temperature": 0}
     body.update({"guided_json": SCHEMA} if constrained else {"ignore_eos": True})
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", json.dumps(body).encode(),
-                                 {"Content-Type": "application/json"})
-    stamps = []  # (time, tokens so far)
-    with urllib.request.urlopen(req, timeout=600) as r:
-        for line in r:
-            if line.startswith(b"data: {"):
-                chunk = json.loads(line[6:])
-                if chunk["choices"] and chunk["choices"][0]["finish_reason"] is None:
-                    stamps.append((time.perf_counter(), chunk["usage"]["completion_tokens"]))
-    if len(stamps) < 2 or stamps[-1][1] < n // 2:
-        raise RuntimeError(f"the stack streamed {stamps[-1][1] if stamps else 0} tokens, expected about {n + 1}")
-    return (stamps[-1][1] - stamps[0][1]) / (stamps[-1][0] - stamps[0][0])
+    return streamed_rate(port, body, n)
 
 
 def beside(port: int, ids: list[int], n: int, mate_constrained: bool) -> float:

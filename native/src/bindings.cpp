@@ -227,6 +227,7 @@ PYBIND11_MODULE(tandem_native, m) {
              py::arg("threads"), py::arg("spin_us") = 50,
              "threads workers (the caller of a call counts as one); idle ones spin spin_us, then sleep")
         .def("park", &ThreadPool::park, "idle threads stop spinning and sleep until the next call")
+        .def("unpark", &ThreadPool::unpark, "sleeping helpers wake and spin for the next call (ends a park early)")
         .def("warm", [](ThreadPool& pool, size_t address, size_t bytes) {
                  pool.warm(reinterpret_cast<const void*>(address), bytes);
              }, py::arg("address"), py::arg("nbytes"),

@@ -7,22 +7,20 @@
 #include <time.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
 
 namespace tandem {
 
-namespace {
-
-// Sleeps while *word == expected, for at most `seconds`; returns early on any wake (shared futex: the
-// other side is another process).
-void futex_sleep(uint32_t* word, uint32_t expected, double seconds) {
+bool futex_sleep(const uint32_t* word, uint32_t expected, double seconds) {
     timespec ts;
     ts.tv_sec = time_t(seconds);
     ts.tv_nsec = long((seconds - double(ts.tv_sec)) * 1e9);
-    syscall(SYS_futex, word, FUTEX_WAIT, expected, &ts, nullptr, 0);
+    const long r = syscall(SYS_futex, word, FUTEX_WAIT, expected, &ts, nullptr, 0);
+    return r == 0 || errno == EAGAIN || errno == EINTR;
 }
 
-}  // namespace
+void futex_wake(const uint32_t* word) { syscall(SYS_futex, word, FUTEX_WAKE, INT32_MAX, nullptr, nullptr, 0); }
 
 uint32_t bell_load(const uint32_t* word) { return __atomic_load_n(word, __ATOMIC_ACQUIRE); }
 
@@ -33,7 +31,7 @@ void bell_ring(Bell bell, uint32_t value) {
     if (__atomic_load_n(bell.sleepers, __ATOMIC_SEQ_CST) != 0) bell_wake(bell);
 }
 
-void bell_wake(Bell bell) { syscall(SYS_futex, bell.seq, FUTEX_WAKE, INT32_MAX, nullptr, nullptr, 0); }
+void bell_wake(Bell bell) { futex_wake(bell.seq); }
 
 uint32_t bell_wait(Bell bell, uint32_t old_value, double spin_us, double timeout_s) {
     using clock = std::chrono::steady_clock;
@@ -51,6 +49,14 @@ uint32_t bell_wait(Bell bell, uint32_t old_value, double spin_us, double timeout
     if (value == old_value && left > 0) futex_sleep(bell.seq, old_value, left);
     __atomic_sub_fetch(bell.sleepers, 1, __ATOMIC_SEQ_CST);
     return bell_load(bell.seq);
+}
+
+uint32_t AdaptiveSpin::wait(Bell bell, uint32_t old_value, double spin_us, double timeout_s) {
+    const auto start = std::chrono::steady_clock::now();
+    const uint32_t value = bell_wait(bell, old_value, spin ? spin_us : 0, timeout_s);
+    if (value != old_value)
+        spin = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start).count() < spin_us;
+    return value;
 }
 
 int64_t wall_ns() {

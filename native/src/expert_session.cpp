@@ -15,6 +15,8 @@
 #include <pybind11/numpy.h>
 #include <pybind11/stl.h>
 
+#include <sched.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -320,11 +322,12 @@ public:
         bool called = false;
         {
             py::gil_scoped_release release;
-            const uint32_t seq = bell_wait(request, seen_, spin_us_, timeout_s);
+            const uint32_t seq = spin_.wait(request, seen_, spin_us_, timeout_s);
             if (seq != seen_) {  // a call published before a stop is still answered (the drain)
                 seen_ = seq, called = true;
                 answer();
                 bell_ring(response, seq);
+                sched_yield();  // the caller, woken onto this core, runs now rather than after this thread
                 ex_->park();  // the cores go back to the caller until its next call
             }
         }
@@ -397,6 +400,7 @@ private:
     py::object executor_obj_;
     Executor* ex_;
     double spin_us_;
+    AdaptiveSpin spin_;
     uint32_t max_tokens_ = 0, seen_ = 0;
     Answer last_;
     std::vector<int64_t> ids_;
@@ -535,18 +539,27 @@ public:
         return seq_;
     }
 
-    // Whether the answer to call seq came within timeout_s (false: a timeout or a wake).
-    bool wait(uint32_t seq, double spin_us, double timeout_s) {
+    // Whether the answer to call seq came within timeout_s (false: a timeout or a wake). The pools'
+    // helpers wait on the answer's doorbell meanwhile, as long as this thread (which counts as a
+    // sleeper for them, so that the answer wakes them too), so they are up when this process's next
+    // native call comes.
+    bool wait(uint32_t seq, double spin_us, double timeout_s, const py::list& pools) {
         check_wait(spin_us, timeout_s);
+        std::vector<ThreadPool*> parked;
+        for (py::handle p : pools) parked.push_back(&p.cast<ThreadPool&>());
         const Bell response = map_.response();
         Mapping::Busy busy(map_);
         py::gil_scoped_release release;
-        return bell_wait(response, seq - 1, spin_us, timeout_s) == seq;
+        if (!parked.empty()) __atomic_add_fetch(response.sleepers, 1, __ATOMIC_SEQ_CST);
+        for (ThreadPool* p : parked) p->park_on(response.seq, seq - 1, timeout_s);
+        const bool answered = spin_.wait(response, seq - 1, spin_us, timeout_s) == seq;
+        if (!parked.empty()) __atomic_sub_fetch(response.sleepers, 1, __ATOMIC_SEQ_CST);
+        return answered;
     }
 
     // wait() then result(): None when no answer came within timeout_s (or a wake ended the wait).
-    py::object finish(uint32_t seq, double spin_us, double timeout_s, py::object out) {
-        if (!wait(seq, spin_us, timeout_s)) return py::none();
+    py::object finish(uint32_t seq, double spin_us, double timeout_s, py::object out, const py::list& pools) {
+        if (!wait(seq, spin_us, timeout_s, pools)) return py::none();
         return result(out);
     }
 
@@ -585,6 +598,7 @@ private:
     int max_tokens_, hidden_, top_k_;
     uint32_t seq_ = 0, x_code_ = layout::kF32;
     int64_t tokens_ = 0;
+    AdaptiveSpin spin_;
 };
 
 py::dict layout_numbers() {
@@ -644,11 +658,13 @@ void register_expert_sessions(py::module_& m) {
              "Copies a call in and publishes it; returns its sequence number")
         .def("publish", &ShmClient::publish, py::arg("descriptor"), "Publishes a raw descriptor (its data in place)")
         .def("wait", &ShmClient::wait, py::arg("seq"), py::arg("spin_us"), py::arg("timeout_s"),
-             "Whether the answer to seq came within timeout_s (GIL released)")
+             py::arg("pools") = py::list(),
+             "Whether the answer to seq came within timeout_s (GIL released); the pools' helpers wake with it")
         .def("result", &ShmClient::result, py::arg("out") = py::none(),
              "(status, message, compute_s) of the answer; copies the result into out when status is 0")
         .def("finish", &ShmClient::finish, py::arg("seq"), py::arg("spin_us"), py::arg("timeout_s"),
-             py::arg("out") = py::none(), "wait() then result(): None when no answer came")
+             py::arg("out") = py::none(), py::arg("pools") = py::list(),
+             "wait() then result(): None when no answer came")
         .def("wake", &ShmClient::wake, "Ends a wait in progress")
         .def("release", &ShmClient::release, "Lets go of the segment");
 }

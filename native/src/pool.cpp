@@ -1,5 +1,7 @@
 #include "pool.h"
 
+#include "doorbell.h"
+
 #include <algorithm>
 #include <chrono>
 #include <stdexcept>
@@ -54,6 +56,7 @@ ThreadPool::~ThreadPool() {
     {
         std::lock_guard<std::mutex> lock(mu_);
         stop_ = true;
+        end_bell_park();
     }
     jobs_cv_.notify_all();
     work_cv_.notify_all();
@@ -145,8 +148,48 @@ void ThreadPool::warm_until_work(uint64_t seen) {
     }
 }
 
+void ThreadPool::unpark() {
+    if (helpers_.empty()) return;
+    {
+        std::lock_guard<std::mutex> lock(mu_);
+        parked_at_.store(UINT64_MAX);
+        unparks_.fetch_add(1);
+        end_bell_park();
+    }
+    work_cv_.notify_all();
+}
+
+void ThreadPool::park_on(const uint32_t* word, uint32_t value, double max_s) {
+    if (helpers_.empty()) return;
+    std::lock_guard<std::mutex> lock(mu_);
+    bell_ = {word, value, max_s, bell_.epoch + 1, generation_.load()};
+    parked_at_.store(bell_.parked_at);  // spinning helpers move to the bell; sleeping ones stay asleep
+}
+
+void ThreadPool::end_bell_park() {
+    if (bell_.word != nullptr && bell_sleepers_.load() > 0) futex_wake(bell_.word);
+    bell_.word = nullptr;
+}
+
+// Under the lock, with no new work: waits on the bell of a park_on not yet waited for; true when it
+// rang (the helper then spins for the call it brings), false when there is none or it timed out.
+bool ThreadPool::sleep_on_bell(uint64_t seen, uint64_t& bell_seen, std::unique_lock<std::mutex>& lock) {
+    if (bell_.word == nullptr || bell_.epoch == bell_seen || generation_.load() != seen) return false;
+    const BellPark bell = bell_;
+    bell_seen = bell.epoch;
+    bell_sleepers_.fetch_add(1);
+    lock.unlock();
+    const bool rang = futex_sleep(bell.word, bell.value, bell.max_s);
+    lock.lock();
+    bell_sleepers_.fetch_sub(1);
+    if (!rang) return false;
+    uint64_t parked = bell.parked_at;  // the park this ring ends, unless a newer one came meanwhile
+    parked_at_.compare_exchange_strong(parked, UINT64_MAX);
+    return true;
+}
+
 void ThreadPool::helper_loop() {
-    uint64_t seen = 0;
+    uint64_t seen = 0, unparks = 0, bell_seen = 0;
     for (;;) {
         warm_until_work(seen);
         const bool woke = spin_until(
@@ -154,8 +197,14 @@ void ThreadPool::helper_loop() {
         if (woke && generation_.load() == seen && parked_at_.load() != seen) continue;  // a range to warm
         {
             std::unique_lock<std::mutex> lock(mu_);
-            work_cv_.wait(lock, [&] { return stop_ || generation_.load() != seen; });
+            if (sleep_on_bell(seen, bell_seen, lock)) continue;
+            unparks = unparks_.load();  // one from before this sleep is spent
+            work_cv_.wait(lock, [&] { return stop_ || generation_.load() != seen || unparks_.load() != unparks; });
             if (stop_) return;
+            if (generation_.load() == seen) {  // unparked: spin for the call that follows
+                unparks = unparks_.load();
+                continue;
+            }
             seen = generation_.load();
             if (!open_) continue;  // that parallel_for is over: its counters may be reset any time
             active_.fetch_add(1);
@@ -182,6 +231,7 @@ void ThreadPool::parallel_for(int n, const std::function<void(int)>& fn) {
         task_error_ = nullptr;
         failed_ = false;
         open_ = true;
+        end_bell_park();
         generation_.fetch_add(1);
     }
     if (!helpers_.empty() && n > 1) work_cv_.notify_all();

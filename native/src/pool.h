@@ -51,6 +51,17 @@ public:
     void parallel_for(int n, const std::function<void(int)>& fn);
     // Idle threads stop spinning and sleep until the next call (any thread, any time).
     void park() { parked_at_.store(generation_.load()); }
+    // Ends a park ahead of the next call: sleeping helpers wake and spin for spin_us awaiting it, so
+    // their wake-up overlaps what the caller does before that call (the cores are this process's
+    // again: a co-located server's answer came). Any thread, any time.
+    void unpark();
+    // park(), with the helpers that were spinning waiting on *word while it holds value, at most
+    // max_s: a doorbell of a shared segment that the other process rings for the next call or its
+    // answer, waking them together with the thread that waits for it, so that they are spinning when
+    // its parallel_for comes (helpers asleep already stay asleep: moving them would wake them). The
+    // word is only ever given to the kernel (futex), never read here; a parallel_for or unpark() ends
+    // the wait at once.
+    void park_on(const uint32_t* word, uint32_t value, double max_s);
     // An idle helper reads [p, p + bytes) into the caches until the next parallel_for (what a call
     // soon after will read: a decode step's dense weights, between the small ops that leave the
     // memory idle); a request queued while every helper sleeps is dropped. Any thread, any time.
@@ -61,6 +72,8 @@ private:
     void helper_loop();
     void run_tasks();
     void warm_until_work(uint64_t seen);
+    bool sleep_on_bell(uint64_t seen, uint64_t& bell_seen, std::unique_lock<std::mutex>& lock);
+    void end_bell_park();  // under mu_
 
     std::mutex mu_;
     std::condition_variable work_cv_, done_cv_, jobs_cv_;
@@ -74,6 +87,14 @@ private:
     // The generation park() was called at: an idle thread that has seen that parallel_for does not
     // spin (sticky, so a helper that reaches its spin only after the park sleeps too).
     std::atomic<uint64_t> parked_at_{UINT64_MAX};
+    std::atomic<uint64_t> unparks_{0};  // unpark() calls so far (under mu_ when changed)
+    struct BellPark {
+        const uint32_t* word = nullptr;  // null: none
+        uint32_t value = 0;
+        double max_s = 0;
+        uint64_t epoch = 0, parked_at = 0;
+    } bell_;  // under mu_
+    std::atomic<int> bell_sleepers_{0};  // helpers in a futex wait on bell_.word
     std::mutex warm_mu_;
     std::vector<std::pair<const char*, size_t>> warm_;  // ranges left to read ahead, oldest first
     std::atomic<bool> warm_pending_{false};

@@ -27,11 +27,22 @@ def shared_pool(threads: int, spin_us: int = DECODE_SPIN_US):
     return _POOLS[key]
 
 
+def all_pools() -> list:
+    return list(_POOLS.values())
+
+
 def park_pools() -> None:
     """Ends the idle spins of this process's pools at once: called where the cores go to another
     process (a co-located expert server's layer call) until the next native call here."""
     for pool in _POOLS.values():
         pool.park()
+
+
+def unpark_pools() -> None:
+    """Wakes this process's parked pools to spin for the next native call: called as the cores come
+    back (a co-located server answered), so the helpers' wake-up overlaps the Python before that call."""
+    for pool in _POOLS.values():
+        pool.unpark()
 
 
 @contextlib.contextmanager

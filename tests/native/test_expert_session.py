@@ -2,7 +2,9 @@
 shared-memory round trip between ShmClient and ShmServer over a real segment, in one process.
 T tokens, D hidden size, K experts per token, E experts."""
 
+import resource
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -201,6 +203,54 @@ def test_a_wake_ends_a_wait_and_release_makes_calls_fail_cleanly(executor):
         s.client.submit(LAYER, x, ids, w)
     s.segment.close()
     assert s.segment.mm.closed
+
+
+def cpu_seconds_over(seconds: float) -> float:
+    before = resource.getrusage(resource.RUSAGE_SELF)
+    time.sleep(seconds)
+    after = resource.getrusage(resource.RUSAGE_SELF)
+    return (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
+
+
+def test_the_answer_wakes_the_waiting_sides_pools(executor, layers):
+    """A wait given pools parks their helpers on the answer's doorbell: they sleep while the server
+    computes and are woken by its ring, spinning for the caller's next call (a pool that polls
+    100 ms after a call, so its spin shows in the CPU time); a wait that times out leaves the pool
+    working as before."""
+    s = Session(executor)
+    s.stop.set()
+    s.server.wake()
+    s.thread.join()  # this test answers with serve_next itself
+    mine = tn.ThreadPool(2, 100000)
+    x, ids, w = call(2, seed=3)
+    expected = np.empty_like(x)
+    executor.run(LAYER, x, ids, w, expected)
+    try:
+        for _ in range(2):
+            tn.moe_forward(layers[LAYER], x, ids, w, np.empty_like(x), mine)  # its helper polls now
+            seq = s.client.submit(LAYER, x, ids, w)
+            answered = []
+            waiter = threading.Thread(target=lambda: answered.append(s.client.wait(seq, 0.0, 10.0, [mine])))
+            waiter.start()
+            time.sleep(0.02)
+            assert cpu_seconds_over(0.05) < 0.01  # parked on the bell, not polling
+            assert s.server.serve_next(5.0)[0] == 0
+            waiter.join()
+            assert answered == [True] and cpu_seconds_over(0.05) > 0.03  # the ring woke the helper
+            out = np.empty_like(x)
+            assert s.client.result(out)[0] == 0 and np.array_equal(out, expected)
+            time.sleep(0.1)
+        seq = s.client.submit(LAYER, x, ids, w)
+        assert not s.client.wait(seq, 0.0, 0.05, [mine])  # nobody answers: the helper is left on the bell
+        out = np.empty_like(x)
+        started = time.perf_counter()
+        tn.moe_forward(layers[LAYER], x, ids, w, out, mine)  # the call takes it off the bell
+        assert time.perf_counter() - started < 5.0
+        assert s.server.serve_next(5.0)[0] == 0 and s.client.wait(seq, 0.0, 5.0)
+    finally:
+        s.server.release()
+        s.client.release()
+        s.segment.close()
 
 
 def test_client_takes_cpu_tensors_as_they_are_and_refuses_others(session, executor):

@@ -146,6 +146,26 @@ def test_a_parked_pool_stops_spinning_at_once(setup):
     tn.ThreadPool(2, 100000).park()
 
 
+def test_unpark_wakes_a_parked_pool_to_spin_for_the_next_call(setup):
+    """unpark() (a co-located server's answer came) wakes parked helpers, which poll for the next
+    call as after one of their own, then sleep; the next call's result is the same."""
+    _, layer, x, ids, w = setup
+    pool = tn.ThreadPool(2, 100000)
+    expected = np.zeros_like(x)
+    tn.moe_forward(layer, x, ids, w, expected, pool)
+    pool.park()
+    time.sleep(0.01)
+    assert cpu_seconds_over(0.05) < 0.01
+    pool.unpark()
+    assert cpu_seconds_over(0.05) > 0.03  # the helper polls again
+    time.sleep(0.1)
+    assert cpu_seconds_over(0.05) < 0.01  # and sleeps once its spin is over
+    out = np.zeros_like(x)
+    tn.moe_forward(layer, x, ids, w, out, pool)
+    assert np.array_equal(out, expected)
+    tn.ThreadPool(1).unpark()  # no helpers: nothing to wake
+
+
 def test_a_spin_out_of_range_is_refused():
     for spin in (-1, 100001):
         with pytest.raises(ValueError, match="spin_us"):

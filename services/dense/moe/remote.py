@@ -24,7 +24,7 @@ from services.common.grpc_defaults import CLIENT_KEEPALIVE
 from services.common.model_config import ModelConfig
 from services.dense.moe.experts import ExpertBackend
 from services.dense.moe.transport import ShmTransport, inline_transport, native_grpc, rpc_error
-from services.dense.pool import park_pools
+from services.dense.pool import park_pools, unpark_pools
 from tandem.v1 import expert_pb2 as pb
 from tandem.v1 import expert_pb2_grpc as pb_grpc
 
@@ -198,8 +198,14 @@ class RemoteExperts(ExpertBackend):
         transport, inner, span, started, sent = handle
         if transport is None:
             return inner
-        park_pools()  # a co-located server computes on these cores meanwhile
-        out, compute_s = transport.wait(inner)
+        if transport.PARKS_POOLS:
+            out, compute_s = transport.wait(inner)
+        else:
+            park_pools()  # a co-located server computes on these cores meanwhile
+            try:
+                out, compute_s = transport.wait(inner)
+            finally:
+                unpark_pools()  # they are this process's again: the helpers' wake-up overlaps the Python before the next call
         call_s = time.perf_counter() - started
         if span is not None:
             span.set_attribute("tandem.expert_s", compute_s)

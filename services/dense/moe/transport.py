@@ -27,6 +27,7 @@ from services.common import shm_layout as shm
 from services.common import wire
 from services.common.errors import ExpertBackendError
 from services.common.grpc_defaults import KEEPALIVE_MS, native_grpc
+from services.dense.pool import all_pools
 from tandem.v1 import expert_pb2 as pb
 
 _STATUS = {0: "OK", 3: "INVALID_ARGUMENT", 13: "INTERNAL"}
@@ -60,6 +61,8 @@ def rpc_error(layer: int, exc: grpc.RpcError) -> ExpertBackendError:
 
 
 class ShmTransport:
+    PARKS_POOLS = True  # a wait parks this process's pools on the answer's doorbell itself
+
     def __init__(self, stub, hidden: int, top_k: int, max_tokens: int, spin_us: float, timeout_s: float,
                  connect_timeout_s: float = 30.0):
         import tandem_native
@@ -144,7 +147,7 @@ class ShmTransport:
         result into out (when given); returns the seconds the server computed."""
         self._pending = None
         first_s = min(self.timeout_s, 0.25)
-        answer = self._native.finish(seq, self.spin_us, first_s, out)
+        answer = self._native.finish(seq, self.spin_us, first_s, out, all_pools())
         if answer is None:
             answer = self._await(layer, seq, out, self.timeout_s - first_s)
         status, message, compute_s = answer
@@ -174,7 +177,7 @@ class ShmTransport:
             if left <= 0:
                 self.dead.set()  # the server may still answer later: this session cannot be reused
                 raise ExpertBackendError(layer, f"no answer within {self.timeout_s:g} s", "DEADLINE_EXCEEDED")
-            answer = self._native.finish(seq, self.spin_us, min(left, 0.25), out)
+            answer = self._native.finish(seq, self.spin_us, min(left, 0.25), out, all_pools())
             if answer is not None:
                 return answer
 
@@ -189,6 +192,8 @@ class ShmTransport:
 class NativeInlineTransport:
     """The Compute stream on tandem_grpc (native/grpc): no Python thread between the caller and the
     wire, which is most of what a layer's round trip over grpcio costs on a small machine."""
+
+    PARKS_POOLS = False  # RemoteExperts parks the pools around a wait
 
     def __init__(self, address: str, timeout_s: float, tls_root: bytes | None = None, connect_timeout_s: float = 30.0):
         import tandem_grpc
@@ -236,6 +241,8 @@ class NativeInlineTransport:
 
 
 class GrpcioInlineTransport:
+    PARKS_POOLS = False  # RemoteExperts parks the pools around a wait
+
     def __init__(self, stub, timeout_s: float):
         self.timeout_s = timeout_s
         self._queue: queue.SimpleQueue = queue.SimpleQueue()

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import socket
 import statistics
 import subprocess
@@ -233,9 +234,40 @@ class TandemStack:
         body = {"model": "bench", "prompt": prompt, "max_tokens": n + 1, "temperature": 0, "ignore_eos": True}
         return streamed_rate(self.port, body, n)
 
+    def pids(self) -> dict[str, int]:
+        """The stack's processes by part, and this one (the HTTP client) as "client"."""
+        return {**{c.name: c.proc.pid for c in self.stack.children}, "client": os.getpid()}
+
     def close(self) -> None:
         self.stop_event.set()
         self.stack.stop()
+
+
+def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
+    """CPU seconds each process's threads have run so far (the scheduler's own count, in ns)."""
+    out = {}
+    for name, pid in pids.items():
+        total = 0
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                    total += int(f.read().split()[0])
+            except (FileNotFoundError, ProcessLookupError):  # a thread that ended meanwhile
+                continue
+        out[name] = total / 1e9
+    return out
+
+
+def decode_with_cpu(stack: TandemStack, prompt: list[int], n: int) -> tuple[float, dict[str, float]]:
+    """warm_decode through the stack, and the CPU milliseconds per token (of the request's n + 1,
+    its prompt included) each process ran meanwhile, with the cores' capacity: cores x wall time."""
+    stack.decode(prompt, 4)
+    pids = stack.pids()
+    before, started = cpu_seconds(pids), time.perf_counter()
+    rate = stack.decode(prompt, n)
+    wall, after = time.perf_counter() - started, cpu_seconds(pids)
+    ms = {name: (after[name] - before[name]) * 1e3 / (n + 1) for name in pids}
+    return rate, {**ms, "capacity": (os.cpu_count() or 1) * wall * 1e3 / (n + 1)}
 
 
 # ------------------------------------------------------------------ the parts
@@ -293,11 +325,13 @@ def run_stack(cfg: BenchConfig, models: dict) -> list[dict]:
     for dense, experts in dict.fromkeys((d, e) for _, d, e in PAIRS):
         progress(f"starting the stack with {dense} dense linears and {experts} experts")
         stack = TandemStack(path, dense, experts, "float32", cfg.threads)
-        inproc, served = [], []
+        inproc, served, cpu = [], [], []
         try:
             for r in range(cfg.rounds):
                 rest()
-                served.append(warm_decode(stack, prompt, cfg.decode_tokens))
+                rate, ms = decode_with_cpu(stack, prompt, cfg.decode_tokens)
+                served.append(rate)
+                cpu.append(ms)
                 rest()
                 inproc.append(warm_decode(models[(dense, experts, "float32")], prompt, cfg.decode_tokens))
                 progress(f"stack round {r + 1}: {dense}/{experts} {served[-1]:.1f} through the stack, "
@@ -305,7 +339,8 @@ def run_stack(cfg: BenchConfig, models: dict) -> list[dict]:
         finally:
             stack.close()
         rows.append({"dense": dense, "experts": experts, "stack_decode": med(served), "inprocess_decode": med(inproc),
-                     "ratio": med(served) / med(inproc), "samples": {"stack": served, "inprocess": inproc}})
+                     "ratio": med(served) / med(inproc), "samples": {"stack": served, "inprocess": inproc},
+                     "cpu_ms_per_token": {name: med([c[name] for c in cpu]) for name in cpu[0]}})
     return rows
 
 
@@ -360,6 +395,11 @@ def print_report(report: dict) -> None:
         for r in report["stack"]:
             print(f"{r['dense'] + '/' + r['experts']:>12} | stack {r['stack_decode']:8.1f}  in process {r['inprocess_decode']:8.1f}"
                   f"  ratio {r['ratio']:5.2f}")
+        print("CPU ms per token of a streamed request (each process's threads together, spinning included), of "
+              "the cores' capacity (the machine's cores x the request's time), and the in-process step's time")
+        for r in report["stack"]:
+            parts = "  ".join(f"{name} {ms:5.2f}" for name, ms in r["cpu_ms_per_token"].items())
+            print(f"{r['dense'] + '/' + r['experts']:>12} | {parts}  | in-process step {1e3 / r['inprocess_decode']:5.2f}")
     if "mla" in report:
         r = report["mla"]
         print(f"\nMLA (deepseek_v3 bench), decode after {r['context']} tokens: llama.cpp {r['llama']} {r['llama_decode']:.1f}, "

@@ -339,6 +339,9 @@ class TimedExperts:
     def __init__(self, inner):
         self.inner, self.seconds, self.calls = inner, 0.0, 0
 
+    def expect(self, layer):
+        self.inner.expect(layer)
+
     def submit(self, layer, x, ids, weights):
         return time.perf_counter(), self.inner.submit(layer, x, ids, weights)
 

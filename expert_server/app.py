@@ -17,6 +17,10 @@ from services.common.expert_weights import packed_bytes
 from services.common.model_config import parse_model_config
 
 log = logging.getLogger(__name__)
+# The pool's helpers spin this long for work before sleeping: within a call, and after a co-located
+# client's prewake until the call it announces arrives (the dense side's routing, then the session
+# thread's wake-up). A shared-memory session parks them after each call, so no spin runs between calls.
+POOL_SPIN_US = 300
 
 
 @dataclass
@@ -60,7 +64,7 @@ def start(cfg: ServerConfig) -> RunningServer:
 
     checkpoint = Checkpoint(cfg.model)
     model_cfg = parse_model_config(checkpoint.config)
-    pool = tandem_native.ThreadPool(cfg.threads)
+    pool = tandem_native.ThreadPool(cfg.threads, POOL_SPIN_US)
     servicer = ExpertServicer(cfg, checkpoint.config.get("model_type", model_cfg.family), model_cfg.moe.top_k)
     layers = announce(cfg, checkpoint, model_cfg)
     server, health_servicer, port = build_server(cfg, servicer)

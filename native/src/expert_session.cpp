@@ -37,10 +37,10 @@ namespace tandem {
 namespace {
 
 namespace layout {
-constexpr size_t kHeaderBytes = 512, kRequestSeq = 64, kRequest = 68, kRequestSleepers = 120, kResponseSeq = 128,
+constexpr size_t kHeaderBytes = 512, kPrewake = 32, kRequestSeq = 64, kRequest = 68, kRequestSleepers = 120, kResponseSeq = 128,
                  kResponse = 132, kResponseSleepers = 152, kMessage = 192, kMessageBytes = 256, kTrace = 448,
                  kTraceBytes = 62;
-constexpr uint32_t kVersion = 3, kF32 = 1, kBF16 = 2, kTraceEach = 1;
+constexpr uint32_t kVersion = 4, kF32 = 1, kBF16 = 2, kTraceEach = 1;
 constexpr uint32_t kOk = 0, kInvalidArgument = 3, kInternal = 13;
 }  // namespace layout
 
@@ -141,6 +141,7 @@ public:
 
     int max_tokens() const { return max_tokens_; }
     void park() { pool_->park(); }
+    void park_on(const uint32_t* word, uint32_t value, double max_s) { pool_->park_on(word, value, max_s); }
 
     // This executor as a C table (executor_api.h) in a capsule that holds self (this executor's
     // Python object) alive while it lives.
@@ -326,9 +327,11 @@ public:
             if (seq != seen_) {  // a call published before a stop is still answered (the drain)
                 seen_ = seq, called = true;
                 answer();
+                // the cores go back to the caller until its next call; the helpers wait for its prewake
+                const uint32_t* prewake = map_.word(layout::kPrewake);
+                ex_->park_on(prewake, bell_load(prewake), kPrewakeParkS);
                 bell_ring(response, seq);
                 sched_yield();  // the caller, woken onto this core, runs now rather than after this thread
-                ex_->park();  // the cores go back to the caller until its next call
             }
         }
         if (!called) return py::none();
@@ -395,6 +398,9 @@ private:
         std::memcpy(weights_.data(), weights, T * K * 4);
         ex_->run(d.layer, x, out, d.x_dtype == layout::kBF16, ids_.data(), weights_.data(), int(T), int(K));
     }
+
+    // Helpers wait this long at most for a prewake between calls, then sleep until a call wakes them.
+    static constexpr double kPrewakeParkS = 1.0;
 
     Mapping map_;
     py::object executor_obj_;
@@ -530,6 +536,16 @@ public:
                         slots_.weights, slots_.out});
     }
 
+    // Says a call comes soon (its routing is under way): the server's helpers, which wait for this
+    // between calls, wake and spin for it, while this side's helpers (idle meanwhile: routing runs on
+    // one thread) wait on the answer's doorbell, as in wait(), leaving their cores to them.
+    void expect(const py::list& pools) {
+        park(pools_of(pools), seq_ + 1, kParkAtExpectS);
+        uint32_t* prewake = map_.word(layout::kPrewake);
+        __atomic_add_fetch(prewake, 1, __ATOMIC_SEQ_CST);
+        futex_wake(prewake);
+    }
+
     // Writes a descriptor (its data already in place) and rings; returns its sequence number.
     uint32_t publish(const Descriptor& d) {
         uint8_t* base = map_.base();
@@ -545,15 +561,13 @@ public:
     // native call comes.
     bool wait(uint32_t seq, double spin_us, double timeout_s, const py::list& pools) {
         check_wait(spin_us, timeout_s);
-        std::vector<ThreadPool*> parked;
-        for (py::handle p : pools) parked.push_back(&p.cast<ThreadPool&>());
+        const std::vector<ThreadPool*> parked = pools_of(pools);
         const Bell response = map_.response();
         Mapping::Busy busy(map_);
         py::gil_scoped_release release;
-        if (!parked.empty()) __atomic_add_fetch(response.sleepers, 1, __ATOMIC_SEQ_CST);
-        for (ThreadPool* p : parked) p->park_on(response.seq, seq - 1, timeout_s);
+        park(parked, seq, timeout_s);
         const bool answered = spin_.wait(response, seq - 1, spin_us, timeout_s) == seq;
-        if (!parked.empty()) __atomic_sub_fetch(response.sleepers, 1, __ATOMIC_SEQ_CST);
+        uncount();
         return answered;
     }
 
@@ -598,6 +612,36 @@ private:
     int max_tokens_, hidden_, top_k_;
     uint32_t seq_ = 0, x_code_ = layout::kF32;
     int64_t tokens_ = 0;
+    // Whether this thread counts as a sleeper of the answer to call counted_seq_, for parked pools.
+    bool counted_ = false;
+    uint32_t counted_seq_ = 0;
+    // A park made by expect() lasts until the wait takes over, or this long (a call never made).
+    static constexpr double kParkAtExpectS = 1.0;
+
+    static std::vector<ThreadPool*> pools_of(const py::list& pools) {
+        std::vector<ThreadPool*> out;
+        for (py::handle p : pools) out.push_back(&p.cast<ThreadPool&>());
+        return out;
+    }
+
+    // The pools' helpers wait on the answer to call seq (the response word holds seq - 1 until then),
+    // this thread counted as a sleeper for them, so that the server's ring wakes them too.
+    void park(const std::vector<ThreadPool*>& pools, uint32_t seq, double max_s) {
+        if (pools.empty()) return;
+        const Bell response = map_.response();
+        if (!counted_ || counted_seq_ != seq) {
+            uncount();
+            __atomic_add_fetch(response.sleepers, 1, __ATOMIC_SEQ_CST);
+            counted_ = true, counted_seq_ = seq;
+        }
+        for (ThreadPool* p : pools) p->park_on(response.seq, seq - 1, max_s);
+    }
+
+    void uncount() {
+        if (!counted_) return;
+        __atomic_sub_fetch(map_.response().sleepers, 1, __ATOMIC_SEQ_CST);
+        counted_ = false;
+    }
     AdaptiveSpin spin_;
 };
 
@@ -606,6 +650,7 @@ py::dict layout_numbers() {
     d["HEADER_BYTES"] = layout::kHeaderBytes, d["REQUEST_SEQ"] = layout::kRequestSeq;
     d["REQUEST_AT"] = layout::kRequest, d["RESPONSE_SEQ"] = layout::kResponseSeq;
     d["RESPONSE_AT"] = layout::kResponse, d["MESSAGE_AT"] = layout::kMessage;
+    d["PREWAKE"] = layout::kPrewake;
     d["REQUEST_SLEEPERS"] = layout::kRequestSleepers, d["RESPONSE_SLEEPERS"] = layout::kResponseSleepers;
     d["MESSAGE_BYTES"] = layout::kMessageBytes, d["TRACE_AT"] = layout::kTrace;
     d["LAYOUT_VERSION"] = layout::kVersion, d["TRACE_EACH"] = layout::kTraceEach;
@@ -656,6 +701,8 @@ void register_expert_sessions(py::module_& m) {
         .def("submit", &ShmClient::submit, py::arg("layer"), py::arg("x"), py::arg("ids"), py::arg("weights"),
              py::arg("traceparent") = "", py::arg("trace_each") = false,
              "Copies a call in and publishes it; returns its sequence number")
+        .def("expect", &ShmClient::expect, py::arg("pools") = py::list(),
+             "Says a call comes soon: the server's helpers wake for it, the pools' helpers wait for its answer")
         .def("publish", &ShmClient::publish, py::arg("descriptor"), "Publishes a raw descriptor (its data in place)")
         .def("wait", &ShmClient::wait, py::arg("seq"), py::arg("spin_us"), py::arg("timeout_s"),
              py::arg("pools") = py::list(),

@@ -4,6 +4,8 @@ The dense side creates the segment and writes requests; the expert server maps i
 handshake and writes results. All integers little-endian. Byte offsets:
 
     0    magic b"TNDSHM01", u32 layout version, u32 header bytes, u64 segment bytes, u32 max tokens
+    32   u32 prewake count (futex word): the client adds one as a call's routing starts, waking the
+         server's helpers, which wait on it between calls
     64   request line: u32 request sequence (futex word), then the descriptor (REQUEST below);
          at 120, u32 count of the request word's sleepers
     128  response line: u32 response sequence (futex word), u32 status, u32 message length, u32 0,
@@ -40,7 +42,7 @@ import numpy as np
 from services.common.errors import InvalidRequestError
 
 MAGIC = b"TNDSHM01"
-LAYOUT_VERSION = 3
+LAYOUT_VERSION = 4
 HEADER_BYTES = 512
 MESSAGE_BYTES = 448 - 192
 ALIGN = 64
@@ -49,6 +51,7 @@ NAME_PREFIX = "tandem-"
 _NAME_RE = re.compile(r"^tandem-[A-Za-z0-9_-]{1,64}$")
 
 _HEADER = struct.Struct("<8sIIQI")
+PREWAKE = 32
 REQUEST_SEQ = 64
 RESPONSE_SEQ = 128
 # layer, tokens, hidden, top_k, x dtype code, then byte offsets of x, ids, weights, out

@@ -54,8 +54,9 @@ def test_layout_numbers_agree_with_the_python_side():
         "RESPONSE_SEQ": shm.RESPONSE_SEQ, "RESPONSE_AT": shm._RESPONSE_AT, "MESSAGE_AT": shm._MESSAGE_AT,
         "MESSAGE_BYTES": shm.MESSAGE_BYTES, "TRACE_AT": shm._TRACE_AT, "LAYOUT_VERSION": shm.LAYOUT_VERSION,
         "TRACE_EACH": shm.TRACE_EACH, "X_DTYPE_CODES": shm.X_DTYPE_CODES,
-        "REQUEST_SLEEPERS": shm.REQUEST_SLEEPERS, "RESPONSE_SLEEPERS": shm.RESPONSE_SLEEPERS,
+        "REQUEST_SLEEPERS": shm.REQUEST_SLEEPERS, "RESPONSE_SLEEPERS": shm.RESPONSE_SLEEPERS, "PREWAKE": shm.PREWAKE,
     }
+    assert shm._HEADER.size <= shm.PREWAKE < shm.REQUEST_SEQ  # after the header's fields, on their line
     assert shm._REQUEST_AT + shm._REQUEST.size <= shm.REQUEST_SLEEPERS < shm.RESPONSE_SEQ  # one line each
     assert shm._RESPONSE_AT + shm._RESPONSE.size <= shm.RESPONSE_SLEEPERS < shm._MESSAGE_AT
 
@@ -217,10 +218,7 @@ def test_the_answer_wakes_the_waiting_sides_pools(executor, layers):
     computes and are woken by its ring, spinning for the caller's next call (a pool that polls
     100 ms after a call, so its spin shows in the CPU time); a wait that times out leaves the pool
     working as before."""
-    s = Session(executor)
-    s.stop.set()
-    s.server.wake()
-    s.thread.join()  # this test answers with serve_next itself
+    s = served_by_the_test(executor)
     mine = tn.ThreadPool(2, 100000)
     x, ids, w = call(2, seed=3)
     expected = np.empty_like(x)
@@ -247,6 +245,64 @@ def test_the_answer_wakes_the_waiting_sides_pools(executor, layers):
         tn.moe_forward(layers[LAYER], x, ids, w, out, mine)  # the call takes it off the bell
         assert time.perf_counter() - started < 5.0
         assert s.server.serve_next(5.0)[0] == 0 and s.client.wait(seq, 0.0, 5.0)
+    finally:
+        s.server.release()
+        s.client.release()
+        s.segment.close()
+
+
+def served_by_the_test(executor):
+    """A Session whose calls the test answers with serve_next itself."""
+    s = Session(executor)
+    s.stop.set()
+    s.server.wake()
+    s.thread.join()
+    return s
+
+
+def test_expect_wakes_the_servers_helpers_parked_between_calls(layers):
+    """After answering, the server's helpers wait on the segment's prewake word (a pool that polls
+    100 ms for work, so its spin shows in the CPU time): asleep until the client's expect(), then
+    spinning for the call it announces, which is answered as any."""
+    polling = tn.Executor(layers, tn.ThreadPool(2, 100000), D, E, CAP)
+    s = served_by_the_test(polling)
+    x, ids, w = call(2, seed=4)
+    expected = np.empty_like(x)
+    polling.run(LAYER, x, ids, w, expected)
+    try:
+        for _ in range(2):
+            time.sleep(0.15)  # the run's own spin is over
+            seq = s.client.submit(LAYER, x, ids, w)
+            assert s.server.serve_next(5.0)[0] == 0 and s.client.wait(seq, 0.0, 5.0)
+            assert cpu_seconds_over(0.05) < 0.01  # parked on the prewake word, not polling
+            s.client.expect()
+            assert cpu_seconds_over(0.05) > 0.03  # woken: polling for the call
+        seq = s.client.submit(LAYER, x, ids, w)
+        out = np.empty_like(x)
+        assert s.server.serve_next(5.0)[0] == 0 and s.client.finish(seq, 0.0, 5.0, out)[0] == 0
+        assert np.array_equal(out, expected)
+    finally:
+        s.server.release()
+        s.client.release()
+        s.segment.close()
+
+
+def test_expect_parks_the_callers_pools_until_the_answer(executor, layers):
+    """expect(pools) puts their polling helpers on the answer's doorbell before the call is even
+    submitted (routing runs on one thread, their cores are the server's meanwhile); the answer's ring
+    wakes them, and the wait that follows finds the answer."""
+    s = served_by_the_test(executor)
+    mine = tn.ThreadPool(2, 100000)
+    x, ids, w = call(2, seed=5)
+    try:
+        tn.moe_forward(layers[LAYER], x, ids, w, np.empty_like(x), mine)  # its helper polls now
+        s.client.expect([mine])
+        time.sleep(0.01)
+        assert cpu_seconds_over(0.05) < 0.01  # parked on the bell, not polling
+        seq = s.client.submit(LAYER, x, ids, w)
+        assert s.server.serve_next(5.0)[0] == 0
+        assert cpu_seconds_over(0.05) > 0.03  # the ring woke the helper
+        assert s.client.wait(seq, 0.0, 5.0, [mine])
     finally:
         s.server.release()
         s.client.release()

@@ -33,6 +33,7 @@ class MoeBlock:
         self.shared_gate = w.linear(f"{prefix}.shared_expert_gate", 1, d) if moe.shared_gated else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [T, D] -> [T, D]
+        self.experts.expect(self.layer)
         ids, weights = route(self.router, linear(x.float(), self.gate, self.gate_bias), self.bias)
         handle = self.experts.submit(self.layer, x, ids, weights)
         shared = self._shared(x)

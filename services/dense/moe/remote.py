@@ -194,6 +194,12 @@ class RemoteExperts(ExpertBackend):
                 raise rpc_error(layer, exc) from exc
         return transport, inner, span, started, x.nbytes + ids.nbytes + weights.nbytes
 
+    def expect(self, layer):
+        server = self.owner.get(layer)
+        transport = server._transport if server is not None else None
+        if transport is not None and hasattr(transport, "expect"):
+            transport.expect()
+
     def wait(self, handle):
         transport, inner, span, started, sent = handle
         if transport is None:

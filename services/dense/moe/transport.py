@@ -136,6 +136,15 @@ class ShmTransport:
         self._pending = layer, seq
         return layer, seq, x.shape[0], x.dtype, None if x.is_cpu else x.device
 
+    def expect(self) -> None:
+        """Wakes the server's helpers for a call that follows shortly (tandem_native.ShmClient.expect)."""
+        if self.dead.is_set():
+            return
+        try:
+            self._native.expect(all_pools())
+        except RuntimeError:  # released meanwhile (closed): the call that follows will say so
+            pass
+
     def publish(self, request: shm.Request) -> int:
         """Writes a descriptor (its data already in place) and rings; returns its sequence number."""
         r = request

@@ -259,15 +259,17 @@ def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
 
 
 def decode_with_cpu(stack: TandemStack, prompt: list[int], n: int) -> tuple[float, dict[str, float]]:
-    """warm_decode through the stack, and the CPU milliseconds per token (of the request's n + 1,
-    its prompt included) each process ran meanwhile, with the cores' capacity: cores x wall time."""
-    stack.decode(prompt, 4)
-    pids = stack.pids()
-    before, started = cpu_seconds(pids), time.perf_counter()
-    rate = stack.decode(prompt, n)
-    wall, after = time.perf_counter() - started, cpu_seconds(pids)
-    ms = {name: (after[name] - before[name]) * 1e3 / (n + 1) for name in pids}
-    return rate, {**ms, "capacity": (os.cpu_count() or 1) * wall * 1e3 / (n + 1)}
+    """warm_decode through the stack, and the CPU milliseconds per decoded token each process ran,
+    with the cores' capacity (the machine's cores x the time): the timed request's less the warm-up's
+    (both prefill the same prompt) over the tokens between."""
+    pids, short, runs = stack.pids(), 4, []
+    for tokens in (short, n):
+        before, started = cpu_seconds(pids), time.perf_counter()
+        rate = stack.decode(prompt, tokens)
+        wall, after = time.perf_counter() - started, cpu_seconds(pids)
+        runs.append({**{name: after[name] - before[name] for name in pids}, "capacity": (os.cpu_count() or 1) * wall})
+    (warm, timed), extra = runs, n - short
+    return rate, {name: (timed[name] - warm[name]) * 1e3 / extra for name in timed}
 
 
 # ------------------------------------------------------------------ the parts
@@ -395,8 +397,8 @@ def print_report(report: dict) -> None:
         for r in report["stack"]:
             print(f"{r['dense'] + '/' + r['experts']:>12} | stack {r['stack_decode']:8.1f}  in process {r['inprocess_decode']:8.1f}"
                   f"  ratio {r['ratio']:5.2f}")
-        print("CPU ms per token of a streamed request (each process's threads together, spinning included), of "
-              "the cores' capacity (the machine's cores x the request's time), and the in-process step's time")
+        print("CPU ms per decoded token through the stack (each process's threads together, spinning included), "
+              "of the cores' capacity (the machine's cores x the time per token), and the in-process step's time")
         for r in report["stack"]:
             parts = "  ".join(f"{name} {ms:5.2f}" for name, ms in r["cpu_ms_per_token"].items())
             print(f"{r['dense'] + '/' + r['experts']:>12} | {parts}  | in-process step {1e3 / r['inprocess_decode']:5.2f}")

@@ -139,6 +139,14 @@ public:
         }
     }
 
+    // run() for a call that came inline (gRPC): the helpers sleep after it rather than spin for the
+    // pool's spin, which is sized for a shared-memory session's prewakes (that session parks them itself).
+    void run_inline(int64_t layer, const void* x, void* out, bool bf16, const int64_t* ids, const float* weights,
+                    int T, int K) {
+        run(layer, x, out, bf16, ids, weights, T, K);
+        pool_->park();
+    }
+
     int max_tokens() const { return max_tokens_; }
     void park() { pool_->park(); }
     void park_on(const uint32_t* word, uint32_t value, double max_s) { pool_->park_on(word, value, max_s); }
@@ -184,7 +192,7 @@ private:
     static int api_run(void* self, int64_t layer, const void* x, void* out, int bf16, const int64_t* ids,
                        const float* weights, int tokens, int top_k, char* message, size_t cap) {
         return guarded(message, cap, [&] {
-            static_cast<Executor*>(self)->run(layer, x, out, bf16 != 0, ids, weights, tokens, top_k);
+            static_cast<Executor*>(self)->run_inline(layer, x, out, bf16 != 0, ids, weights, tokens, top_k);
         });
     }
 
@@ -232,7 +240,7 @@ void executor_run(Executor& ex, int64_t layer, py::array x, py::array ids, py::a
     const auto* ip = static_cast<const int64_t*>(ids.data());
     const auto* wp = static_cast<const float*>(weights.data());
     py::gil_scoped_release release;
-    ex.run(layer, xp, op, code == layout::kBF16, ip, wp, int(T), int(K));
+    ex.run_inline(layer, xp, op, code == layout::kBF16, ip, wp, int(T), int(K));
 }
 
 // ------------------------------------------------------------------------------------ the segment

@@ -107,14 +107,15 @@ void slab_floats(const uint16_t* src, int blocks, int per_group, float* dst) {
                                                reinterpret_cast<const __m256i*>(src + b / per_group * kTileN))));
 }
 
-// dst[b][m] = s[m][b] for 16 tokens' block scales s [16][blocks]; with sums (int4_asym), also
+// dst[b][m] = s[m][b] for a tile's block scales s [rows][blocks]; with sums (int4_asym), also
 // dst_min[b][m] = s[m][b] * sums[m][b], the factor of the weights' minimums (as min_block has it).
-void transpose_tokens(const float* s, const int32_t* sums, int blocks, float* dst, float* dst_min) {
+// Zeros for the padding rows m >= rows: a last partial tile's rows past the activations are not read.
+void transpose_tokens(const float* s, const int32_t* sums, int rows, int blocks, float* dst, float* dst_min) {
     for (int m = 0; m < kTileM; ++m)
         for (int b = 0; b < blocks; ++b) {
             const int64_t from = int64_t(m) * blocks + b;
-            dst[b * kTileM + m] = s[from];
-            if (sums) dst_min[b * kTileM + m] = s[from] * float(sums[from]);
+            dst[b * kTileM + m] = m < rows ? s[from] : 0.f;
+            if (sums) dst_min[b * kTileM + m] = m < rows ? s[from] * float(sums[from]) : 0.f;
         }
 }
 
@@ -341,7 +342,7 @@ void matmul_int_tiles(const Matrix& w, int r0, int r1, const Activations& x, int
         tq = arranged.data();
         for (int t = 0; t * kTileM < count && t < tiles; ++t) {
             const size_t at = size_t(t) * kTileM * blocks;
-            transpose_tokens(ts + at, asym ? tsums + at : nullptr, blocks, st.data() + at, asym ? xmin.data() + at : nullptr);
+            transpose_tokens(ts + at, asym ? tsums + at : nullptr, std::min(kTileM, count - t * kTileM), blocks, st.data() + at, asym ? xmin.data() + at : nullptr);
         }
         for (int r = r0; r < r1; r += kTileN) {
             o.b = expand ? reinterpret_cast<const uint8_t*>(expanded.data()) : int_block_at(w, r, 0);

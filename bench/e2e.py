@@ -122,10 +122,13 @@ def gguf_files(model_dir: Path, types: list[str], threads: int) -> dict[str, Pat
     out.mkdir(parents=True, exist_ok=True)
     files = {"bf16": out / "bf16.gguf"}
     if not files["bf16"].exists():
+        llama_python()  # the converter ships in the sdist the setup unpacks
         progress(f"converting {model_dir.name} with llama.cpp's convert_hf_to_gguf.py")
         tmp = files["bf16"].with_suffix(".tmp")
-        subprocess.run([sys.executable, "-c", CONVERT, str(LLAMA_CPP), str(model_dir), str(tmp)], check=True,
-                       capture_output=True)
+        converted = subprocess.run([sys.executable, "-c", CONVERT, str(LLAMA_CPP), str(model_dir), str(tmp)],
+                                   capture_output=True, text=True)
+        if converted.returncode:
+            raise SystemExit(f"convert_hf_to_gguf.py failed on {model_dir}:\n{converted.stderr[-4000:]}")
         tmp.rename(files["bf16"])
     for t in types:
         if t == "bf16":

@@ -85,9 +85,91 @@ void py_rms_norm(py::array x, py::array w, float eps, py::array out) {
              static_cast<float*>(out.mutable_data()));
 }
 
+// A float32 [T, N, D] array whose last dimension is contiguous, as rows and heads with their strides
+// (a query or key view into a fused projection's output, say).
+HeadView head_view(const py::array& a, const char* name, bool writable) {
+    if (!py::isinstance<py::array_t<float>>(a) || a.dtype().itemsize() != 4)
+        throw std::invalid_argument(std::string(name) + ": expected dtype float32, got " + std::string(py::str(a.dtype())));
+    if (a.ndim() != 3) throw std::invalid_argument(std::string(name) + ": expected 3 dims [T, N, D], got " + shape_of(a));
+    if (a.strides(2) != 4 || a.strides(0) % 4 || a.strides(1) % 4 || a.strides(0) < 0 || a.strides(1) < 0)
+        throw std::invalid_argument(std::string(name) + ": its last dimension must be contiguous");
+    if (writable && !a.writeable()) throw std::invalid_argument(std::string(name) + ": must be writable");
+    return {static_cast<float*>(const_cast<void*>(a.data())), long(a.strides(0) / 4), long(a.strides(1) / 4)};
+}
+
+void py_rope(py::array x, py::array cos, py::array sin, bool interleaved, py::array out) {
+    const HeadView src = head_view(x, "x", false), dst = head_view(out, "out", true);
+    const py::ssize_t rows = x.shape(0), heads = x.shape(1), dim = x.shape(2);
+    if (out.shape(0) != rows || out.shape(1) != heads || out.shape(2) != dim)
+        throw std::invalid_argument("out: shape " + shape_of(out) + ", should be x's " + shape_of(x));
+    check_array<float>(cos, "cos", "float32", {rows, -1});
+    const py::ssize_t half = cos.shape(1);
+    check_array<float>(sin, "sin", "float32", {rows, half});
+    if (half < 1 || 2 * half > dim)
+        throw std::invalid_argument("cos: " + std::to_string(half) + " angles do not fit heads of " + std::to_string(dim));
+    py::gil_scoped_release release;
+    rope(src, dst, int(rows), int(heads), int(dim), static_cast<const float*>(cos.data()),
+         static_cast<const float*>(sin.data()), int(half), interleaved);
+}
+
+void py_linear_f32(py::array x, py::array w, py::object bias_obj, py::array out, ThreadPool& pool) {
+    check_array<float>(x, "x", "float32", {-1, -1});
+    const py::ssize_t rows = x.shape(0), in = x.shape(1);
+    check_array<float>(w, "weight", "float32", {-1, in});
+    const py::ssize_t outs = w.shape(0);
+    check_array<float>(out, "out", "float32", {rows, outs});
+    if (!out.writeable()) throw std::invalid_argument("out: must be writable");
+    py::array bias;
+    if (!bias_obj.is_none()) {
+        bias = bias_obj.cast<py::array>();
+        check_array<float>(bias, "bias", "float32", {outs});
+    }
+    const float *xp = static_cast<const float*>(x.data()), *wp = static_cast<const float*>(w.data());
+    const float* bp = bias_obj.is_none() ? nullptr : static_cast<const float*>(bias.data());
+    float* yp = static_cast<float*>(out.mutable_data());
+    py::gil_scoped_release release;
+    pool.run([&] { linear_f32(pool, xp, int(rows), int(in), wp, int(outs), bp, yp); });
+}
+
+void py_attend(py::array q, py::array k, py::array v, py::array mask, float scale, py::object sinks_obj, py::array out,
+               ThreadPool& pool) {
+    AttendArgs a{};
+    a.q = head_view(q, "q", false);
+    a.tokens = int(q.shape(0)), a.heads = int(q.shape(1)), a.q_dim = int(q.shape(2));
+    check_array<float>(k, "k", "float32", {-1, -1, a.q_dim});
+    a.positions = int(k.shape(0)), a.kv_heads = int(k.shape(1));
+    check_array<float>(v, "v", "float32", {a.positions, a.kv_heads, -1});
+    a.v_dim = int(v.shape(2));
+    if (a.kv_heads < 1 || a.heads % a.kv_heads)
+        throw std::invalid_argument("k: " + std::to_string(a.kv_heads) + " key heads do not divide " +
+                                    std::to_string(a.heads) + " query heads");
+    check_array<bool>(mask, "mask", "bool", {a.tokens, a.positions});
+    check_array<float>(out, "out", "float32", {a.tokens, py::ssize_t(a.heads) * a.v_dim});
+    if (!out.writeable()) throw std::invalid_argument("out: must be writable");
+    py::array sinks;
+    if (!sinks_obj.is_none()) {
+        sinks = sinks_obj.cast<py::array>();
+        check_array<float>(sinks, "sinks", "float32", {a.heads});
+        a.sinks = static_cast<const float*>(sinks.data());
+    }
+    a.k = static_cast<const float*>(k.data()), a.v = static_cast<const float*>(v.data());
+    a.mask = static_cast<const bool*>(mask.data()), a.out = static_cast<float*>(out.mutable_data());
+    a.scale = scale;
+    py::gil_scoped_release release;
+    pool.run([&] { attend(pool, a); });
+}
+
 }  // namespace
 
 void register_linear(py::module_& m) {
+    m.def("rope", &py_rope, py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("interleaved"), py::arg("out"),
+          "out [T, N, D] = x's heads turned by the rows' angles cos, sin [T, R/2] (out may be x), float32");
+    m.def("linear_f32", &py_linear_f32, py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("out"), py::arg("pool"),
+          "out [M, O] = x [M, I] weight [O, I]^T (+ bias [O]), float32, every value summed in one fixed order");
+    m.def("attend", &py_attend, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("mask"), py::arg("scale"),
+          py::arg("sinks"), py::arg("out"), py::arg("pool"),
+          "out [T, H * Dv] = softmax(scale q k^T, where mask [T, S]; sinks [H] or None) v, q [T, H, Dq] against "
+          "k [S, Hkv, Dq] and v [S, Hkv, Dv], float32: a few new tokens' attention over their cache");
     m.def("rms_norm", &py_rms_norm, py::arg("x"), py::arg("weight"), py::arg("eps"), py::arg("out"),
           "out [R, C] = x / sqrt(mean(x^2) + eps) * weight, float32 (the dense path's RMSNorm in one call)");
     py::class_<PackedLinear>(m, "Linear", "A dense linear y = x W^T (+ b), W [O, I] packed in an expert format")

@@ -1,10 +1,47 @@
 // The dense path's small fused steps, where torch's many small ops cost a decode step more than the
-// arithmetic: RMSNorm (optionally after the residual add). R rows of C values.
+// arithmetic: RMSNorm, rotary embedding, and a few new tokens' attention over their cache.
+// R rows of C values; T new tokens, S cached positions, H query heads, Hkv key/value heads,
+// Dq and Dv the key and value head sizes.
 #pragma once
+
+#include "pool.h"
 
 namespace tandem {
 
 // y[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w, in float32 (as the reference models compute it).
 void rms_norm(const float* x, const float* w, int rows, int cols, float eps, float* y);
+
+// Heads laid out with strides (in floats): head h of row t starts at base + t * row + h * head.
+struct HeadView {
+    float* base;
+    long row, head;
+};
+
+// Rotary embedding of `heads` heads of T rows, src into dst (which may be src): the first 2 * half
+// dims of each head turn by their row's angles (cos, sin [T][half]) as (x1 cos - x2 sin, x2 cos +
+// x1 sin), pairs (i, i + half), or interleaved pairs (2i, 2i + 1) written back as those two halves;
+// dims past 2 * half pass as they are. The same float32 operations, in the same order, as torch's.
+void rope(HeadView src, HeadView dst, int rows, int heads, int head_dim, const float* cos, const float* sin,
+          int half, bool interleaved);
+
+// y [M, O] = x [M, I] w^T (+ b) in float32, each value a dot product in one fixed order (a row's
+// result does not depend on the rows around it), output features spread over the pool: the small
+// float linears a step keeps exact, a router's; from inside a job on `pool`.
+void linear_f32(ThreadPool& pool, const float* x, int rows, int in, const float* w, int out, const float* b, float* y);
+
+struct AttendArgs {
+    HeadView q;                 // [T, H, Dq]
+    const float *k, *v;         // [S, Hkv, Dq], [S, Hkv, Dv], contiguous
+    const bool* mask;           // [T, S]: which cached positions each new token sees
+    const float* sinks;         // [H] or null: a learned logit per head that joins the softmax with no value
+    float* out;                 // [T, H * Dv]
+    int tokens, heads, kv_heads, q_dim, v_dim, positions;
+    float scale;
+};
+
+// out[t, h] = softmax_s(scale * q[t, h] . k[s, h / g] where mask[t, s]) . v[s, h / g], g = H / Hkv,
+// each head of each token on its own (its result does not depend on the batch around it); from
+// inside a job on `pool`.
+void attend(ThreadPool& pool, const AttendArgs& a);
 
 }  // namespace tandem

@@ -119,6 +119,33 @@ class PackedLinears:
         return tuple(r for p in self.parts for r in p.ranges())
 
 
+@dataclass(frozen=True)
+class ExactLinear:
+    """A small float32 linear the native pool computes row by row, every value summed in one fixed
+    order (a row's result does not depend on the batch around it, without padding the rows as
+    `linear` does for BLAS): a router's, whose top-k a rounding difference could flip. Joins the
+    decode step's WarmChain, so its weights are read ahead while the small ops before it run."""
+
+    weight: torch.Tensor  # [O, I] float32, contiguous
+    bias: torch.Tensor | None  # [O] float32
+    pool: object
+    chain: WarmChain | None = None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [M, I] -> [M, O] float32
+        import tandem_native
+
+        x32 = x.detach().to(torch.float32).contiguous()
+        out = torch.empty((x.shape[0], self.weight.shape[0]), dtype=torch.float32)
+        tandem_native.linear_f32(x32.numpy(), self.weight.numpy(), None if self.bias is None else self.bias.numpy(),
+                                 out.numpy(), self.pool)
+        if self.chain is not None and x.shape[0] <= WARM_ROWS:
+            self.chain.after(self)
+        return out
+
+    def ranges(self) -> tuple[tuple[int, int], ...]:
+        return ((self.weight.data_ptr(), self.weight.nbytes),)
+
+
 class WeightLoader:
     """weights: "float" keeps linears as dtype tensors; a packed format ("bf16", "int8", "int4",
     "int4_asym") packs them for the native kernels on `pool`, importing a checkpoint's stored codes
@@ -178,6 +205,15 @@ class WeightLoader:
         """A linear kept as dtype tensors whatever the weight format (its weight is used as a tensor)."""
         weight = self.tensor(f"{prefix}.weight", (out_features, in_features))
         return Linear(weight, self.tensor(f"{prefix}.bias", (out_features,)) if bias else None)
+
+    def router(self, prefix: str, out_features: int, in_features: int, bias: bool = False) -> Linear | ExactLinear:
+        """A router's linear in float32 (as the reference models compute it): native and exact where
+        the dense linears are packed on the CPU, else a torch Linear."""
+        weight = self.tensor(f"{prefix}.weight", (out_features, in_features), torch.float32).contiguous()
+        b = self.tensor(f"{prefix}.bias", (out_features,), torch.float32) if bias else None
+        if self.pool is None or self.device.type != "cpu":
+            return Linear(weight, b)
+        return ExactLinear(weight, b, self.pool, self.chain)
 
     def norm(self, prefix: str, size: int) -> torch.Tensor:
         return self.tensor(f"{prefix}.weight", (size,))

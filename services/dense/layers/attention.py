@@ -17,6 +17,11 @@ from services.dense.layers.norm import rms_norm
 from services.dense.layers.rope import Rotary
 from services.dense.weights import WeightLoader
 
+try:
+    import tandem_native as _native
+except ImportError:  # the dense path runs without the native module (CUDA machines, a bare checkout)
+    _native = None
+
 
 # Up to this many new tokens of a sequence, MLA attends over the cached latent directly (absorbed),
 # and grouped-query attention over the cached heads as they are (_attend_grouped).
@@ -24,9 +29,26 @@ ABSORB_MAX_TOKENS = 16
 GROUPED_MAX_TOKENS = 16
 
 
-def _attend_with_sinks(q, k, v, mask, scale: float, sinks: torch.Tensor) -> torch.Tensor:
+def _native_attend(q, k, v, mask, scale: float, sinks: torch.Tensor | None, pool) -> torch.Tensor | None:
+    """A few new tokens' float32 attention on the CPU in one native call on the dense linears' pool
+    (torch's grouped path is about twenty small ops a layer, most of a decode step's attention);
+    None where it does not apply: no pool (float linears: torch has the cores), another dtype or
+    device, a long chunk."""
+    if (pool is None or q.device.type != "cpu" or q.shape[0] > GROUPED_MAX_TOKENS
+            or not all(t.dtype == torch.float32 for t in (q, k, v))):
+        return None
+    out = torch.empty((q.shape[0], q.shape[1] * v.shape[2]), dtype=torch.float32)
+    _native.attend(q.detach().numpy(), k.detach().contiguous().numpy(), v.detach().contiguous().numpy(),
+                   mask.contiguous().numpy(), scale, None if sinks is None else sinks.detach().numpy(), out.numpy(), pool)
+    return out
+
+
+def _attend_with_sinks(q, k, v, mask, scale: float, sinks: torch.Tensor, pool=None) -> torch.Tensor:
     """As _attend, with sinks [H]: each head's learned logit joins its softmax as one more key with
     no value, and takes its share of the probability away (gpt-oss)."""
+    out = _native_attend(q, k, v, mask, scale, sinks, pool)
+    if out is not None:
+        return out
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     logits = torch.einsum("thd,shd->hts", q, k) * scale  # [H, T, S]
@@ -51,8 +73,12 @@ def _attend_grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
     return out.view(hkv, g, t, dv).permute(2, 0, 1, 3).reshape(t, h * dv)
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [T, H, Dq], k [S, Hkv, Dq], v [S, Hkv, Dv], mask [T, S] bool -> [T, H * Dv]."""
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float, pool=None) -> torch.Tensor:
+    """q [T, H, Dq], k [S, Hkv, Dq], v [S, Hkv, Dv], mask [T, S] bool -> [T, H * Dv]; pool: the native
+    pool a few float32 tokens may attend on."""
+    out = _native_attend(q, k, v, mask, scale, None, pool)
+    if out is not None:
+        return out
     if q.shape[0] <= GROUPED_MAX_TOKENS:
         return _attend_grouped(q, k, v, mask, scale)
     out = F.scaled_dot_product_attention(
@@ -65,7 +91,7 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
 class GQAttention:
     def __init__(self, cfg: ModelConfig, w: WeightLoader, prefix: str, rotary: Rotary):
         a, d = cfg.attention, cfg.hidden_size
-        self.a, self.eps, self.rotary = a, cfg.rms_norm_eps, rotary
+        self.a, self.eps, self.rotary, self.pool = a, cfg.rms_norm_eps, rotary, w.pool
         self.sizes = [a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.num_kv_heads * a.head_dim]
         self.qkv_proj = w.linears([f"{prefix}.{n}" for n in ("q_proj", "k_proj", "v_proj")], self.sizes, d, a.qkv_bias)
         self.o_proj = w.linear(f"{prefix}.o_proj", d, a.num_heads * a.head_dim, a.o_bias)
@@ -87,15 +113,16 @@ class GQAttention:
         return q, k, v.view(t, a.num_kv_heads, a.head_dim)
 
     def __call__(self, x: torch.Tensor, cos_sin, segments: list[Segment]) -> torch.Tensor:
-        q, k, v = self._qkv(x)
-        q, k = self.rotary.apply(q, *cos_sin), self.rotary.apply(k, *cos_sin)
+        q, k, v = self._qkv(x)  # views of a fresh projection (or norm) output: turned in place
+        q, k = self.rotary.apply(q, *cos_sin, out=q), self.rotary.apply(k, *cos_sin, out=k)
         out = []
         for seg in segments:
             k_all, v_all = seg.kv.update(k[seg.rows], v[seg.rows])
             if self.sinks is None:
-                out.append(_attend(q[seg.rows], k_all, v_all, seg.mask, self.a.softmax_scale))
+                out.append(_attend(q[seg.rows], k_all, v_all, seg.mask, self.a.softmax_scale, self.pool))
             else:
-                out.append(_attend_with_sinks(q[seg.rows], k_all, v_all, seg.mask, self.a.softmax_scale, self.sinks))
+                out.append(_attend_with_sinks(q[seg.rows], k_all, v_all, seg.mask, self.a.softmax_scale, self.sinks,
+                                              self.pool))
         return self.o_proj(torch.cat(out))
 
 

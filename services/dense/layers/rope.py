@@ -11,6 +11,11 @@ import torch
 
 from services.common.model_config import RopeConfig, yarn_mscale
 
+try:
+    import tandem_native as _native
+except ImportError:  # the dense path runs without the native module (CUDA machines, a bare checkout)
+    _native = None
+
 
 def _yarn(rope: RopeConfig, base_freqs: torch.Tensor) -> tuple[torch.Tensor, float]:
     dim = rope.dim
@@ -58,9 +63,15 @@ class Rotary:
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, R/2]
         return (freqs.cos() * self.scale).to(dtype), (freqs.sin() * self.scale).to(dtype)
 
-    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, H, R] -> rotated [T, H, R]; interleaved pairs come out as (evens, odds) halves. With
-        partial rotary (x wider than R), the first R dims of each head turn and the rest pass."""
+        partial rotary (x wider than R), the first R dims of each head turn and the rest pass. out
+        (x itself, say) receives the result where the native call applies: float32 on the CPU."""
+        if _native is not None and x.device.type == "cpu" and all(t.dtype == torch.float32 for t in (x, cos, sin)):
+            out = torch.empty(x.shape, dtype=torch.float32) if out is None else out
+            _native.rope(x.detach().numpy(), cos.contiguous().numpy(), sin.contiguous().numpy(), self.interleaved,
+                         out.detach().numpy())
+            return out
         dim = 2 * cos.shape[-1]
         if x.shape[-1] > dim:
             return torch.cat((self.apply(x[..., :dim], cos, sin), x[..., dim:]), dim=-1)

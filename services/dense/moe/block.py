@@ -11,7 +11,7 @@ from services.common.model_config import ModelConfig
 from services.dense.layers.mlp import GatedMLP
 from services.dense.moe.experts import ExpertBackend
 from services.dense.moe.router import route
-from services.dense.weights import WeightLoader, linear
+from services.dense.weights import WeightLoader
 
 
 class MoeBlock:
@@ -19,10 +19,7 @@ class MoeBlock:
         moe, d = cfg.moe, cfg.hidden_size
         prefix = f"model.layers.{layer}.{moe.prefix}"
         self.layer, self.router, self.experts = layer, moe.router, experts
-        self.gate = w.tensor(f"{prefix}.{moe.gate_name}.weight", (moe.num_experts, d), torch.float32)  # [E, D]
-        self.gate_bias = None
-        if moe.router_bias:
-            self.gate_bias = w.tensor(f"{prefix}.{moe.gate_name}.bias", (moe.num_experts,), torch.float32)  # [E]
+        self.gate = w.router(f"{prefix}.{moe.gate_name}", moe.num_experts, d, moe.router_bias)  # [E, D] (+ [E])
         self.bias = None
         if moe.correction_bias:
             self.bias = w.tensor(f"{prefix}.{moe.correction_bias}", (moe.num_experts,), torch.float32)
@@ -34,7 +31,7 @@ class MoeBlock:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [T, D] -> [T, D]
         self.experts.expect(self.layer)
-        ids, weights = route(self.router, linear(x.float(), self.gate, self.gate_bias), self.bias)
+        ids, weights = route(self.router, self.gate(x.float()), self.bias)
         handle = self.experts.submit(self.layer, x, ids, weights)
         shared = self._shared(x)
         routed = self.experts.wait(handle)

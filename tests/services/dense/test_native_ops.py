@@ -1,0 +1,113 @@
+"""The dense path's native small steps (rope, a few tokens' attention, exact float linears) against
+the torch code they replace, and their argument checks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("tandem_native")
+
+import tandem_native  # noqa: E402
+
+from services.dense.layers import attention, rope  # noqa: E402
+from services.dense.pool import shared_pool  # noqa: E402
+from services.dense.weights import ExactLinear, Linear  # noqa: E402
+
+
+@pytest.fixture
+def gen():
+    return torch.Generator().manual_seed(0)
+
+
+def torch_rotary(monkeypatch, rotary, x, cos, sin):
+    with monkeypatch.context() as m:
+        m.setattr(rope, "_native", None)
+        return rotary.apply(x, cos, sin)
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("head_dim,rot_dim", [(128, 128), (64, 32), (96, 64)])
+def test_native_rope_gives_torchs_bits_on_views_and_in_place(monkeypatch, gen, interleaved, head_dim, rot_dim):
+    from services.common.model_config import RopeConfig
+
+    rotary = rope.Rotary(RopeConfig(kind="default", theta=10000.0, dim=rot_dim, interleaved=interleaved), torch.device("cpu"))
+    t, heads = 5, 6
+    fused = torch.randn(t, (heads + 2) * head_dim, generator=gen)  # a projection's output, q heads then others
+    x = fused[:, :heads * head_dim].view(t, heads, head_dim)  # a strided view, as GQAttention's q
+    cos, sin = rotary.cos_sin(torch.arange(7, 7 + t), torch.float32)
+    want = torch_rotary(monkeypatch, rotary, x, cos, sin)
+    assert torch.equal(rotary.apply(x, cos, sin), want)
+    rest = fused[:, heads * head_dim:].clone()
+    assert rotary.apply(x, cos, sin, out=x) is x
+    assert torch.equal(x, want) and torch.equal(fused[:, heads * head_dim:], rest)
+
+
+def grouped_masks(t, s, gen):
+    causal = torch.arange(s)[None, :] <= torch.arange(s - t, s)[:, None]
+    window = causal & (torch.arange(s)[None, :] > torch.arange(s - t, s)[:, None] - 5)
+    scattered = (torch.rand(t, s, generator=gen) < 0.5) | causal.flip(1)  # every row sees something
+    return causal, window, scattered
+
+
+@pytest.mark.parametrize("heads,kv_heads,t,s", [(16, 4, 1, 40), (8, 8, 3, 17), (6, 2, 16, 300)])
+def test_native_attention_matches_torchs(gen, heads, kv_heads, t, s):
+    pool = shared_pool(2)
+    fused = torch.randn(t, (heads + 1) * 64, generator=gen)
+    q = fused[:, :heads * 64].view(t, heads, 64)
+    k, v = torch.randn(s, kv_heads, 64, generator=gen), torch.randn(s, kv_heads, 48, generator=gen)
+    sinks = torch.randn(heads, generator=gen)
+    for mask in grouped_masks(t, s, gen):
+        want = attention._attend_grouped(q, k, v, mask, 0.125)
+        got = attention._attend(q, k, v, mask, 0.125, pool)
+        assert got.shape == want.shape == (t, heads * 48)
+        assert (got - want).abs().max().item() <= 1e-5
+        want = attention._attend_with_sinks(q, k, v, mask, 0.125, sinks)  # no pool: torch's
+        got = attention._attend_with_sinks(q, k, v, mask, 0.125, sinks, pool)
+        assert (got - want).abs().max().item() <= 1e-5
+
+
+def test_attention_stays_in_torch_where_native_does_not_apply(gen):
+    """bfloat16, a long chunk or no pool: torch's path, whose result is the same function."""
+    pool, s = shared_pool(2), 40
+    q, k, v = (torch.randn(1, 4, 32, generator=gen), torch.randn(s, 2, 32, generator=gen), torch.randn(s, 2, 32, generator=gen))
+    mask = torch.ones(1, s, dtype=torch.bool)
+    assert attention._native_attend(q.bfloat16(), k.bfloat16(), v.bfloat16(), mask, 0.1, None, pool) is None
+    assert attention._native_attend(q, k, v, mask, 0.1, None, None) is None
+    long_q = torch.randn(attention.GROUPED_MAX_TOKENS + 1, 4, 32, generator=gen)
+    assert attention._native_attend(long_q, k, v, mask.expand(long_q.shape[0], s), 0.1, None, pool) is None
+
+
+def test_an_exact_linear_gives_each_row_the_same_bits_in_any_batch(gen):
+    pool = shared_pool(2)
+    w, b = torch.randn(70, 300, generator=gen), torch.randn(70, generator=gen)
+    x = torch.randn(37, 300, generator=gen)
+    exact, reference = ExactLinear(w, b, pool), Linear(w.double(), b.double())
+    batch = exact(x)
+    assert batch.dtype == torch.float32 and batch.shape == (37, 70)
+    assert (batch.double() - reference(x.double())).abs().max().item() <= 1e-4
+    for rows in (slice(0, 1), slice(5, 9), slice(20, 37)):
+        assert torch.equal(exact(x[rows]), batch[rows])
+    assert torch.equal(ExactLinear(w, None, pool)(x) + b, batch)  # the bias added last, once
+
+
+def test_the_native_ops_refuse_bad_arguments():
+    pool = shared_pool(1)
+    f32 = lambda *shape: torch.zeros(shape).numpy()  # noqa: E731
+    mask = torch.ones(1, 4, dtype=torch.bool).numpy()
+    with pytest.raises(ValueError, match="k heads|key heads"):
+        tandem_native.attend(f32(1, 6, 8), f32(4, 4, 8), f32(4, 4, 8), mask, 1.0, None, f32(1, 48), pool)
+    with pytest.raises(ValueError, match="mask"):
+        tandem_native.attend(f32(1, 4, 8), f32(4, 2, 8), f32(4, 2, 8), mask[:, :3], 1.0, None, f32(1, 32), pool)
+    with pytest.raises(ValueError, match="sinks"):
+        tandem_native.attend(f32(1, 4, 8), f32(4, 2, 8), f32(4, 2, 8), mask, 1.0, f32(3), f32(1, 32), pool)
+    with pytest.raises(ValueError, match="out"):
+        tandem_native.attend(f32(1, 4, 8), f32(4, 2, 8), f32(4, 2, 8), mask, 1.0, None, f32(1, 31), pool)
+    with pytest.raises(ValueError, match="contiguous"):
+        tandem_native.rope(f32(2, 3, 8)[:, :, ::2], f32(2, 2), f32(2, 2), False, f32(2, 3, 4))
+    with pytest.raises(ValueError, match="angles"):
+        tandem_native.rope(f32(2, 3, 8), f32(2, 5), f32(2, 5), False, f32(2, 3, 8))
+    with pytest.raises(ValueError, match="weight"):
+        tandem_native.linear_f32(f32(2, 8), f32(3, 9), None, f32(2, 3), pool)
+    with pytest.raises(ValueError, match="bias"):
+        tandem_native.linear_f32(f32(2, 8), f32(3, 8), f32(4), f32(2, 3), pool)

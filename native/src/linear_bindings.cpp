@@ -131,6 +131,18 @@ void py_linear_f32(py::array x, py::array w, py::object bias_obj, py::array out,
     pool.run([&] { linear_f32(pool, xp, int(rows), int(in), wp, int(outs), bp, yp); });
 }
 
+void py_route_softmax_topk(py::array logits, int k, bool normalize, float scale, py::array ids, py::array weights) {
+    check_array<float>(logits, "logits", "float32", {-1, -1});
+    const py::ssize_t rows = logits.shape(0), experts = logits.shape(1);
+    if (k < 1 || k > experts)
+        throw std::invalid_argument("k: must be in [1, " + std::to_string(experts) + "], got " + std::to_string(k));
+    check_array<int64_t>(ids, "ids", "int64", {rows, k});
+    check_array<float>(weights, "weights", "float32", {rows, k});
+    if (!ids.writeable() || !weights.writeable()) throw std::invalid_argument("ids, weights: must be writable");
+    route_softmax_topk(static_cast<const float*>(logits.data()), int(rows), int(experts), k, normalize, scale,
+                       static_cast<int64_t*>(ids.mutable_data()), static_cast<float*>(weights.mutable_data()));
+}
+
 void py_attend(py::array q, py::array k, py::array v, py::array mask, float scale, py::object sinks_obj, py::array out,
                ThreadPool& pool) {
     AttendArgs a{};
@@ -166,6 +178,10 @@ void register_linear(py::module_& m) {
           "out [T, N, D] = x's heads turned by the rows' angles cos, sin [T, R/2] (out may be x), float32");
     m.def("linear_f32", &py_linear_f32, py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("out"), py::arg("pool"),
           "out [M, O] = x [M, I] weight [O, I]^T (+ bias [O]), float32, every value summed in one fixed order");
+    m.def("route_softmax_topk", &py_route_softmax_topk, py::arg("logits"), py::arg("k"), py::arg("normalize"),
+          py::arg("scale"), py::arg("ids"), py::arg("weights"),
+          "ids [T, k] int64 and weights [T, k] float32 of each row of logits [T, E]: the k most probable experts "
+          "after a softmax (ties to the lower id), divided by their sum if normalize, times scale");
     m.def("attend", &py_attend, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("mask"), py::arg("scale"),
           py::arg("sinks"), py::arg("out"), py::arg("pool"),
           "out [T, H * Dv] = softmax(scale q k^T, where mask [T, S]; sinks [H] or None) v, q [T, H, Dq] against "

@@ -116,6 +116,27 @@ void linear_f32(ThreadPool& pool, const float* x, int rows, int in, const float*
     });
 }
 
+void route_softmax_topk(const float* logits, int rows, int experts, int k, bool normalize, float scale, int64_t* ids,
+                        float* weights) {
+    std::vector<float> p(experts);
+    std::vector<int> order(experts);
+    for (int t = 0; t < rows; ++t, logits += experts, ids += k, weights += k) {
+        const float top = *std::max_element(logits, logits + experts);
+        float total = 0.f;
+        for (int e = 0; e < experts; ++e) total += p[e] = std::exp(logits[e] - top);
+        for (int e = 0; e < experts; ++e) p[e] /= total;
+        for (int e = 0; e < experts; ++e) order[e] = e;
+        std::partial_sort(order.begin(), order.begin() + k, order.end(),
+                          [&](int a, int b) { return p[a] > p[b] || (p[a] == p[b] && a < b); });
+        float chosen = 0.f;
+        for (int j = 0; j < k; ++j) chosen += weights[j] = p[order[j]];
+        for (int j = 0; j < k; ++j) {
+            ids[j] = order[j];
+            weights[j] = (normalize ? weights[j] / chosen : weights[j]) * scale;
+        }
+    }
+}
+
 void attend(ThreadPool& pool, const AttendArgs& a) {
     pool.parallel_for(a.heads, [&](int h) {
         thread_local std::vector<float> logits;

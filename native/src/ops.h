@@ -4,6 +4,8 @@
 // Dq and Dv the key and value head sizes.
 #pragma once
 
+#include <cstdint>
+
 #include "pool.h"
 
 namespace tandem {
@@ -28,6 +30,12 @@ void rope(HeadView src, HeadView dst, int rows, int heads, int head_dim, const f
 // result does not depend on the rows around it), output features spread over the pool: the small
 // float linears a step keeps exact, a router's; from inside a job on `pool`.
 void linear_f32(ThreadPool& pool, const float* x, int rows, int in, const float* w, int out, const float* b, float* y);
+
+// Routing by softmax then top-k (Qwen-MoE, Mixtral): per row of logits [T][E], the k most probable
+// experts (ties to the lower id), ids [T][k] and their probabilities [T][k], divided by their sum where
+// `normalize`, then times `scale`.
+void route_softmax_topk(const float* logits, int rows, int experts, int k, bool normalize, float scale, int64_t* ids,
+                        float* weights);
 
 struct AttendArgs {
     HeadView q;                 // [T, H, Dq]

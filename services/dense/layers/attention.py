@@ -123,7 +123,7 @@ class GQAttention:
             else:
                 out.append(_attend_with_sinks(q[seg.rows], k_all, v_all, seg.mask, self.a.softmax_scale, self.sinks,
                                               self.pool))
-        return self.o_proj(torch.cat(out))
+        return self.o_proj(out[0] if len(out) == 1 else torch.cat(out))
 
 
 class MLAttention:
@@ -162,7 +162,7 @@ class MLAttention:
         for seg in segments:
             latent_all, k_rot_all = seg.kv.update(latent[seg.rows], k_rot[seg.rows])  # [S, C], [S, R]
             out.append(self._attend_cached(q[seg.rows], latent_all, k_rot_all, seg.mask))
-        return self.o_proj(torch.cat(out))
+        return self.o_proj(out[0] if len(out) == 1 else torch.cat(out))
 
     def _attend_cached(self, q: torch.Tensor, latent: torch.Tensor, k_rot: torch.Tensor, mask: torch.Tensor):
         """q [T, H, N + R] against one sequence's cache: latent [S, C], k_rot [S, R] -> [T, H * V].

@@ -9,6 +9,11 @@ import torch
 
 from services.common.model_config import RouterConfig
 
+try:
+    import tandem_native as _native
+except ImportError:  # the dense path runs without the native module (CUDA machines, a bare checkout)
+    _native = None
+
 
 def _group_mask(scores: torch.Tensor, cfg: RouterConfig, group_score) -> torch.Tensor:
     """[T, E] bool: experts inside the topk_group best groups of each token."""
@@ -61,8 +66,19 @@ _METHODS = {
 }
 
 
+def _native_softmax_topk(cfg: RouterConfig, logits: torch.Tensor):
+    """softmax_topk, its normalisation and scaling in one native call (five small torch ops a layer)."""
+    t = logits.shape[0]
+    ids, weights = torch.empty((t, cfg.top_k), dtype=torch.int64), torch.empty((t, cfg.top_k), dtype=torch.float32)
+    _native.route_softmax_topk(logits.detach().float().contiguous().numpy(), cfg.top_k, cfg.norm_topk_prob,
+                               cfg.routed_scaling_factor, ids.numpy(), weights.numpy())
+    return ids, weights
+
+
 def route(cfg: RouterConfig, logits: torch.Tensor, bias: torch.Tensor | None = None):
     """logits [T, E] float32 -> ids [T, K] int64, weights [T, K] float32."""
+    if cfg.method == "softmax_topk" and _native is not None and logits.device.type == "cpu":
+        return _native_softmax_topk(cfg, logits)
     ids, weights = _METHODS[cfg.method](logits.float(), cfg, bias)
     if cfg.norm_topk_prob:
         eps = 1e-20 if cfg.method == "noaux_tc" else 0.0

@@ -111,3 +111,30 @@ def test_the_native_ops_refuse_bad_arguments():
         tandem_native.linear_f32(f32(2, 8), f32(3, 9), None, f32(2, 3), pool)
     with pytest.raises(ValueError, match="bias"):
         tandem_native.linear_f32(f32(2, 8), f32(3, 8), f32(4), f32(2, 3), pool)
+
+
+@pytest.mark.parametrize("normalize,scale", [(True, 1.0), (False, 2.5)])
+def test_native_softmax_topk_routes_as_torch(monkeypatch, gen, normalize, scale):
+    from services.common.model_config import RouterConfig
+    from services.dense.moe import router
+
+    cfg = RouterConfig(method="softmax_topk", top_k=8, norm_topk_prob=normalize, routed_scaling_factor=scale,
+                       num_experts=64)
+    logits = torch.randn(9, 64, generator=gen) * 3
+    logits[4, 10] = logits[4, 3] = 20.0  # a tie at the top goes to the lower id first
+    ids, weights = router.route(cfg, logits)
+    with monkeypatch.context() as m:
+        m.setattr(router, "_native", None)
+        want_ids, want_weights = router.route(cfg, logits)
+    assert ids.dtype == torch.int64 and weights.dtype == torch.float32
+    assert torch.equal(ids.sort(-1).values, want_ids.sort(-1).values)
+    assert torch.allclose(weights.gather(1, ids.argsort(-1)), want_weights.gather(1, want_ids.argsort(-1)),
+                          rtol=1e-5, atol=1e-7)
+    assert ids[4, :2].tolist() == [3, 10]
+
+
+def test_native_routing_refuses_a_bad_k():
+    logits = torch.zeros(2, 4).numpy()
+    with pytest.raises(ValueError, match="k"):
+        tandem_native.route_softmax_topk(logits, 5, True, 1.0, torch.zeros(2, 5, dtype=torch.int64).numpy(),
+                                         torch.zeros(2, 5).numpy())

@@ -112,7 +112,7 @@ void py_rope(py::array x, py::array cos, py::array sin, bool interleaved, py::ar
          static_cast<const float*>(sin.data()), int(half), interleaved);
 }
 
-void py_linear_f32(py::array x, py::array w, py::object bias_obj, py::array out, ThreadPool& pool) {
+void py_linear_f32(py::array x, py::array w, py::object bias_obj, py::array out, ThreadPool& pool, const std::string& isa) {
     check_array<float>(x, "x", "float32", {-1, -1});
     const py::ssize_t rows = x.shape(0), in = x.shape(1);
     check_array<float>(w, "weight", "float32", {-1, in});
@@ -128,7 +128,8 @@ void py_linear_f32(py::array x, py::array w, py::object bias_obj, py::array out,
     const float* bp = bias_obj.is_none() ? nullptr : static_cast<const float*>(bias.data());
     float* yp = static_cast<float*>(out.mutable_data());
     py::gil_scoped_release release;
-    pool.run([&] { linear_f32(pool, xp, int(rows), int(in), wp, int(outs), bp, yp); });
+    const KernelTable& k = table(isa);
+    pool.run([&] { linear_f32(pool, k, xp, int(rows), int(in), wp, int(outs), bp, yp); });
 }
 
 void py_route_softmax_topk(py::array logits, int k, bool normalize, float scale, py::array ids, py::array weights) {
@@ -177,7 +178,8 @@ void register_linear(py::module_& m) {
     m.def("rope", &py_rope, py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("interleaved"), py::arg("out"),
           "out [T, N, D] = x's heads turned by the rows' angles cos, sin [T, R/2] (out may be x), float32");
     m.def("linear_f32", &py_linear_f32, py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("out"), py::arg("pool"),
-          "out [M, O] = x [M, I] weight [O, I]^T (+ bias [O]), float32, every value summed in one fixed order");
+          py::arg("isa") = "", "out [M, O] = x [M, I] weight [O, I]^T (+ bias [O]), float32, every value summed in one "
+          "fixed order (the variant's)");
     m.def("route_softmax_topk", &py_route_softmax_topk, py::arg("logits"), py::arg("k"), py::arg("normalize"),
           py::arg("scale"), py::arg("ids"), py::arg("weights"),
           "ids [T, k] int64 and weights [T, k] float32 of each row of logits [T, E]: the k most probable experts "

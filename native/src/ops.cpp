@@ -106,13 +106,15 @@ void rope(HeadView src, HeadView dst, int rows, int heads, int head_dim, const f
     }
 }
 
-void linear_f32(ThreadPool& pool, const float* x, int rows, int in, const float* w, int out, const float* b, float* y) {
+void linear_f32(ThreadPool& pool, const KernelTable& k, const float* x, int rows, int in, const float* w, int out,
+                const float* b, float* y) {
     constexpr int kOutputs = 16;  // output features a task computes, for every row
     pool.parallel_for((out + kOutputs - 1) / kOutputs, [&](int task) {
         const int o0 = task * kOutputs, o1 = std::min(out, o0 + kOutputs);
-        for (int m = 0; m < rows; ++m)
-            for (int o = o0; o < o1; ++o)
-                y[long(m) * out + o] = dot(x + long(m) * in, w + long(o) * in, in) + (b ? b[o] : 0.f);
+        k.dot_rows(x, rows, in, w + long(o0) * in, o1 - o0, y + o0, out);
+        if (b)
+            for (int m = 0; m < rows; ++m)
+                for (int o = o0; o < o1; ++o) y[long(m) * out + o] += b[o];
     });
 }
 

@@ -7,6 +7,7 @@
 #include <cstdint>
 
 #include "pool.h"
+#include "tandem/kernels.h"
 
 namespace tandem {
 
@@ -26,10 +27,11 @@ struct HeadView {
 void rope(HeadView src, HeadView dst, int rows, int heads, int head_dim, const float* cos, const float* sin,
           int half, bool interleaved);
 
-// y [M, O] = x [M, I] w^T (+ b) in float32, each value a dot product in one fixed order (a row's
-// result does not depend on the rows around it), output features spread over the pool: the small
-// float linears a step keeps exact, a router's; from inside a job on `pool`.
-void linear_f32(ThreadPool& pool, const float* x, int rows, int in, const float* w, int out, const float* b, float* y);
+// y [M, O] = x [M, I] w^T (+ b) in float32 by the variant's dot_rows (each value summed in one fixed
+// order: a row's result does not depend on the rows around it), output features spread over the
+// pool: the small float linears a step keeps exact, a router's; from inside a job on `pool`.
+void linear_f32(ThreadPool& pool, const KernelTable& k, const float* x, int rows, int in, const float* w, int out,
+                const float* b, float* y);
 
 // Routing by softmax then top-k (Qwen-MoE, Mixtral): per row of logits [T][E], the k most probable
 // experts (ties to the lower id), ids [T][k] and their probabilities [T][k], divided by their sum where

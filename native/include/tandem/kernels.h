@@ -51,6 +51,10 @@ using SiluMulFn = void (*)(const float* gate_up, int intermediate, float* h);
 // u = gate_up[I + j] (format.h's Activation::SWIGLU_OAI).
 using SwigluOaiFn = void (*)(const float* gate_up, int intermediate, float alpha, float limit, float* h);
 
+// y[m * ldy + o] = x[m] . w[o] for m < rows, o < outs, float32 (x [rows][in], w [outs][in]): each value
+// summed in one fixed order whatever the rows around it (an exact small linear: a router's).
+using DotRowsFn = void (*)(const float* x, int rows, int in, const float* w, int outs, float* y, int ldy);
+
 struct KernelTable {
     const char* name;
     MatmulFn matmul[kFormats];  // indexed by Format
@@ -58,6 +62,7 @@ struct KernelTable {
     ArrangeFn arrange;
     SiluMulFn silu_mul;
     SwigluOaiFn swiglu_oai;
+    DotRowsFn dot_rows;
     // Where matmul's arithmetic for a token depends on how many tokens share the call (AMX's bf16
     // tiles from 16 tokens), a kernel whose does not, for dense linears; null: matmul's does not.
     MatmulFn invariant[kFormats] = {};

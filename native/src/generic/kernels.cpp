@@ -98,11 +98,21 @@ void swiglu_oai(const float* gate_up, int intermediate, float alpha, float limit
     }
 }
 
+void dot_rows(const float* x, int rows, int in, const float* w, int outs, float* y, int ldy) {
+    for (int m = 0; m < rows; ++m)
+        for (int o = 0; o < outs; ++o) {
+            const float *xm = x + long(m) * in, *wo = w + long(o) * in;
+            float sum = 0.f;
+            for (int i = 0; i < in; ++i) sum += xm[i] * wo[i];
+            y[long(m) * ldy + o] = sum;
+        }
+}
+
 }  // namespace
 
 const KernelTable& generic_kernels() {
     static const KernelTable table{"generic", {matmul_bf16, matmul_int8, matmul_int4, matmul_int4_asym}, quantize, arrange,
-                                   silu_mul, swiglu_oai};
+                                   silu_mul, swiglu_oai, dot_rows};
     return table;
 }
 

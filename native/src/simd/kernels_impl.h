@@ -428,8 +428,45 @@ void swiglu_oai(const float* gate_up, int intermediate, float alpha, float limit
 }
 
 // The kernel table of the including variant.
+// One row's dot product with a weight row: 8 lanes of FMAs, their sum, then the tail in order.
+inline float dot_f32(const float* x, const float* w, int in, __m256 acc) {
+    int i = 0;
+    for (; i + 8 <= in; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(w + i), acc);
+    float sum = hsum(acc);
+    for (; i < in; ++i) sum += x[i] * w[i];
+    return sum;
+}
+
+// Four rows share each weight load; a row's arithmetic is dot_f32's either way.
+void dot_rows(const float* x, int rows, int in, const float* w, int outs, float* y, int ldy) {
+    for (int o = 0; o < outs; ++o, w += in) {
+        int m = 0;
+        for (; m + 4 <= rows; m += 4) {
+            const float *x0 = x + long(m) * in, *x1 = x0 + in, *x2 = x1 + in, *x3 = x2 + in;
+            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+            int i = 0;
+            for (; i + 8 <= in; i += 8) {
+                const __m256 wv = _mm256_loadu_ps(w + i);
+                a0 = _mm256_fmadd_ps(_mm256_loadu_ps(x0 + i), wv, a0);
+                a1 = _mm256_fmadd_ps(_mm256_loadu_ps(x1 + i), wv, a1);
+                a2 = _mm256_fmadd_ps(_mm256_loadu_ps(x2 + i), wv, a2);
+                a3 = _mm256_fmadd_ps(_mm256_loadu_ps(x3 + i), wv, a3);
+            }
+            const __m256 accs[4] = {a0, a1, a2, a3};
+            for (int j = 0; j < 4; ++j) {
+                const float* xj = x + long(m + j) * in;
+                float sum = hsum(accs[j]);
+                for (int c = i; c < in; ++c) sum += xj[c] * w[c];
+                y[long(m + j) * ldy + o] = sum;
+            }
+        }
+        for (; m < rows; ++m) y[long(m) * ldy + o] = dot_f32(x + long(m) * in, w, in, _mm256_setzero_ps());
+    }
+}
+
 KernelTable simd_table(const char* name) {
-    return {name, {matmul_bf16, matmul_int8, matmul_int4, matmul_int4_asym}, quantize, arrange, silu_mul, swiglu_oai};
+    return {name, {matmul_bf16, matmul_int8, matmul_int4, matmul_int4_asym}, quantize, arrange, silu_mul, swiglu_oai,
+            dot_rows};
 }
 
 }  // namespace

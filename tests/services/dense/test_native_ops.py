@@ -138,3 +138,20 @@ def test_native_routing_refuses_a_bad_k():
     with pytest.raises(ValueError, match="k"):
         tandem_native.route_softmax_topk(logits, 5, True, 1.0, torch.zeros(2, 5, dtype=torch.int64).numpy(),
                                          torch.zeros(2, 5).numpy())
+
+
+@pytest.mark.parametrize("isa", tandem_native.supported_isas())
+def test_every_variants_exact_linear_agrees_with_generic_and_with_itself_in_any_batch(gen, isa):
+    pool = shared_pool(2)
+    x, w = torch.randn(13, 131, generator=gen), torch.randn(37, 131, generator=gen)  # no multiple of 8 or 16
+    out = lambda rows, variant: _linear_f32(x[rows], w, pool, variant)  # noqa: E731
+    whole = out(slice(None), isa)
+    assert (whole - out(slice(None), "generic")).abs().max().item() <= 1e-4
+    for rows in (slice(0, 1), slice(3, 6), slice(4, 13)):
+        assert torch.equal(out(rows, isa), whole[rows])
+
+
+def _linear_f32(x, w, pool, isa):
+    y = torch.empty(x.shape[0], w.shape[0])
+    tandem_native.linear_f32(x.contiguous().numpy(), w.numpy(), None, y.numpy(), pool, isa)
+    return y

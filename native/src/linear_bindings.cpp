@@ -127,8 +127,8 @@ void py_linear_f32(py::array x, py::array w, py::object bias_obj, py::array out,
     const float *xp = static_cast<const float*>(x.data()), *wp = static_cast<const float*>(w.data());
     const float* bp = bias_obj.is_none() ? nullptr : static_cast<const float*>(bias.data());
     float* yp = static_cast<float*>(out.mutable_data());
-    py::gil_scoped_release release;
     const KernelTable& k = table(isa);
+    py::gil_scoped_release release;
     pool.run([&] { linear_f32(pool, k, xp, int(rows), int(in), wp, int(outs), bp, yp); });
 }
 

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from services.common.checkpoint import Checkpoint
 from services.common.expert_weights import DEFAULT_GROUP_SIZE
+from services.dense.layers import native_ops
 
 
 ROW_BLOCK = 4
@@ -132,11 +133,9 @@ class ExactLinear:
     chain: WarmChain | None = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [M, I] -> [M, O] float32
-        import tandem_native
-
         x32 = x.detach().to(torch.float32).contiguous()
         out = torch.empty((x.shape[0], self.weight.shape[0]), dtype=torch.float32)
-        tandem_native.linear_f32(x32.numpy(), self.weight.numpy(), None if self.bias is None else self.bias.numpy(),
+        native_ops.tandem_native.linear_f32(x32.numpy(), self.weight.numpy(), None if self.bias is None else self.bias.numpy(),
                                  out.numpy(), self.pool)
         if self.chain is not None and x.shape[0] <= WARM_ROWS:
             self.chain.after(self)

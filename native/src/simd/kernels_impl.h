@@ -427,14 +427,19 @@ void swiglu_oai(const float* gate_up, int intermediate, float alpha, float limit
     }
 }
 
-// The kernel table of the including variant.
-// One row's dot product with a weight row: 8 lanes of FMAs, their sum, then the tail in order.
-inline float dot_f32(const float* x, const float* w, int in, __m256 acc) {
-    int i = 0;
-    for (; i + 8 <= in; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(w + i), acc);
+// A row's dot product with a weight row, finished: the 8 lanes of FMAs over columns [0, i) summed,
+// then the columns [i, in) in order.
+inline float dot_tail(__m256 acc, const float* x, const float* w, int i, int in) {
     float sum = hsum(acc);
     for (; i < in; ++i) sum += x[i] * w[i];
     return sum;
+}
+
+inline float dot_f32(const float* x, const float* w, int in) {
+    __m256 acc = _mm256_setzero_ps();
+    int i = 0;
+    for (; i + 8 <= in; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(w + i), acc);
+    return dot_tail(acc, x, w, i, in);
 }
 
 // Four rows share each weight load; a row's arithmetic is dot_f32's either way.
@@ -453,17 +458,13 @@ void dot_rows(const float* x, int rows, int in, const float* w, int outs, float*
                 a3 = _mm256_fmadd_ps(_mm256_loadu_ps(x3 + i), wv, a3);
             }
             const __m256 accs[4] = {a0, a1, a2, a3};
-            for (int j = 0; j < 4; ++j) {
-                const float* xj = x + long(m + j) * in;
-                float sum = hsum(accs[j]);
-                for (int c = i; c < in; ++c) sum += xj[c] * w[c];
-                y[long(m + j) * ldy + o] = sum;
-            }
+            for (int j = 0; j < 4; ++j) y[long(m + j) * ldy + o] = dot_tail(accs[j], x + long(m + j) * in, w, i, in);
         }
-        for (; m < rows; ++m) y[long(m) * ldy + o] = dot_f32(x + long(m) * in, w, in, _mm256_setzero_ps());
+        for (; m < rows; ++m) y[long(m) * ldy + o] = dot_f32(x + long(m) * in, w, in);
     }
 }
 
+// The kernel table of the including variant.
 KernelTable simd_table(const char* name) {
     return {name, {matmul_bf16, matmul_int8, matmul_int4, matmul_int4_asym}, quantize, arrange, silu_mul, swiglu_oai,
             dot_rows};

@@ -17,10 +17,7 @@ from services.dense.layers.norm import rms_norm
 from services.dense.layers.rope import Rotary
 from services.dense.weights import WeightLoader
 
-try:
-    import tandem_native as _native
-except ImportError:  # the dense path runs without the native module (CUDA machines, a bare checkout)
-    _native = None
+from services.dense.layers.native_ops import tandem_native as _native
 
 
 # Up to this many new tokens of a sequence, MLA attends over the cached latent directly (absorbed),

@@ -1,10 +1,7 @@
 import torch
 import torch.nn.functional as F
 
-try:
-    import tandem_native as _native
-except ImportError:  # the dense path runs without the native module (CUDA machines, a bare checkout)
-    _native = None
+from services.dense.layers.native_ops import tandem_native as _native
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

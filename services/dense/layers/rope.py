@@ -11,10 +11,7 @@ import torch
 
 from services.common.model_config import RopeConfig, yarn_mscale
 
-try:
-    import tandem_native as _native
-except ImportError:  # the dense path runs without the native module (CUDA machines, a bare checkout)
-    _native = None
+from services.dense.layers.native_ops import tandem_native as _native
 
 
 def _yarn(rope: RopeConfig, base_freqs: torch.Tensor) -> tuple[torch.Tensor, float]:

@@ -9,10 +9,7 @@ import torch
 
 from services.common.model_config import RouterConfig
 
-try:
-    import tandem_native as _native
-except ImportError:  # the dense path runs without the native module (CUDA machines, a bare checkout)
-    _native = None
+from services.dense.layers.native_ops import tandem_native as _native
 
 
 def _group_mask(scores: torch.Tensor, cfg: RouterConfig, group_score) -> torch.Tensor:

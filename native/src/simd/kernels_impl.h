@@ -103,22 +103,27 @@ void arrange(const float* x, int cols, float* out) {
     }
 }
 
-// One 4-row tile of bf16 weights against one token: y[k] = dot(row r + k, x).
-void bf16_tile(const uint16_t* tile, int cols, const float* x, float* y) {
-    __m256 hi_acc[kTileRows], lo_acc[kTileRows];
-    for (int k = 0; k < kTileRows; ++k) hi_acc[k] = lo_acc[k] = _mm256_setzero_ps();
+// One 4-row tile of bf16 weights against N tokens sharing its loads: y[i][k] = dot(row r + k, x[i]).
+// Each lane adds a chunk's lo products, then its hi ones, into one accumulator, in the same order
+// whatever N: a token's sums are the same alone or beside others (batch invariance).
+template <int N>
+void bf16_tile(const uint16_t* tile, int cols, const float* const* x, float (*y)[kTileRows]) {
+    __m256 acc[N][kTileRows];
+    for (int i = 0; i < N; ++i)
+        for (int k = 0; k < kTileRows; ++k) acc[i][k] = _mm256_setzero_ps();
     for (int c = 0; c < cols; c += kChunk, tile += kTileRows * kChunk) {
         _mm_prefetch(reinterpret_cast<const char*>(tile) + kPrefetch, _MM_HINT_T0);
         _mm_prefetch(reinterpret_cast<const char*>(tile) + kPrefetch + 64, _MM_HINT_T0);
-        const __m256bh hi = (__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + c));
-        const __m256bh lo = (__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + c + kChunk / 2));
-        for (int k = 0; k < kTileRows; ++k) {
-            const __m256bh v = (__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + k * kChunk));
-            hi_acc[k] = _mm256_dpbf16_ps(hi_acc[k], v, hi);
-            lo_acc[k] = _mm256_dpbf16_ps(lo_acc[k], v, lo);
+        __m256bh v[kTileRows];
+        for (int k = 0; k < kTileRows; ++k) v[k] = (__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + k * kChunk));
+        for (int i = 0; i < N; ++i) {
+            const __m256bh hi = (__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[i] + c));
+            const __m256bh lo = (__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[i] + c + kChunk / 2));
+            for (int k = 0; k < kTileRows; ++k) acc[i][k] = _mm256_dpbf16_ps(_mm256_dpbf16_ps(acc[i][k], v[k], lo), v[k], hi);
         }
     }
-    for (int k = 0; k < kTileRows; ++k) y[k] = hsum(_mm256_add_ps(hi_acc[k], lo_acc[k]));
+    for (int i = 0; i < N; ++i)
+        for (int k = 0; k < kTileRows; ++k) y[i][k] = hsum(acc[i][k]);
 }
 #else
 // A shift gives a weight chunk's even columns as fp32 and a mask the odd ones, so a chunk of x is
@@ -133,33 +138,70 @@ void arrange(const float* x, int cols, float* out) {
     for (; c < cols; ++c) out[c] = x[c];
 }
 
-// One 4-row tile of bf16 weights against one token: y[k] = dot(row r + k, x).
-void bf16_tile(const uint16_t* tile, int cols, const float* x, float* y) {
+// One 4-row tile of bf16 weights against N tokens sharing its loads: y[i][k] = dot(row r + k, x[i]).
+template <int N>
+void bf16_tile(const uint16_t* tile, int cols, const float* const* x, float (*y)[kTileRows]) {
     const __m256i high = _mm256_set1_epi32(int(0xffff0000u));
-    __m256 even_acc[kTileRows], odd_acc[kTileRows];
-    for (int k = 0; k < kTileRows; ++k) even_acc[k] = odd_acc[k] = _mm256_setzero_ps();
+    __m256 even_acc[N][kTileRows], odd_acc[N][kTileRows];
+    for (int i = 0; i < N; ++i)
+        for (int k = 0; k < kTileRows; ++k) even_acc[i][k] = odd_acc[i][k] = _mm256_setzero_ps();
     for (int c = 0; c < cols; c += kChunk, tile += kTileRows * kChunk) {
         _mm_prefetch(reinterpret_cast<const char*>(tile) + kPrefetch, _MM_HINT_T0);
         _mm_prefetch(reinterpret_cast<const char*>(tile) + kPrefetch + 64, _MM_HINT_T0);
-        const __m256 even = _mm256_loadu_ps(x + c), odd = _mm256_loadu_ps(x + c + kChunk / 2);
+        __m256 even[N], odd[N];
+        for (int i = 0; i < N; ++i) even[i] = _mm256_loadu_ps(x[i] + c), odd[i] = _mm256_loadu_ps(x[i] + c + kChunk / 2);
         for (int k = 0; k < kTileRows; ++k) {
             const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + k * kChunk));
-            even_acc[k] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_slli_epi32(v, 16)), even, even_acc[k]);
-            odd_acc[k] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_and_si256(v, high)), odd, odd_acc[k]);
+            const __m256 even_w = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+            const __m256 odd_w = _mm256_castsi256_ps(_mm256_and_si256(v, high));
+            for (int i = 0; i < N; ++i) {
+                even_acc[i][k] = _mm256_fmadd_ps(even_w, even[i], even_acc[i][k]);
+                odd_acc[i][k] = _mm256_fmadd_ps(odd_w, odd[i], odd_acc[i][k]);
+            }
         }
     }
-    for (int k = 0; k < kTileRows; ++k) y[k] = hsum(_mm256_add_ps(even_acc[k], odd_acc[k]));
+    for (int i = 0; i < N; ++i)
+        for (int k = 0; k < kTileRows; ++k) y[i][k] = hsum(_mm256_add_ps(even_acc[i][k], odd_acc[i][k]));
 }
 #endif
 
+// Tokens sharing a bf16 tile's loads, as many as their accumulators leave registers for:
+// vdpbf16ps 24 (4 rows x 6 tokens, hi and lo parts summed in one) of AVX-512's 32, which keeps both
+// of Zen 4's bf16 pipes busy; the fp32 FMA path 16 (4 rows x 2 tokens x even and odd columns);
+// AVX2's 16 registers one token's 8.
+#if defined(TANDEM_SIMD_BF16)
+constexpr int kBf16Tokens = 6;
+#elif defined(__AVX512F__)
+constexpr int kBf16Tokens = 2;
+#else
+constexpr int kBf16Tokens = 1;
+#endif
+
+template <int N>
+void bf16_tokens(const uint16_t* tile, const Matrix& w, const Activations& x, int i, float* y, int ldy) {
+    const float* rows[N];
+    float out[N][kTileRows];
+    for (int t = 0; t < N; ++t) rows[t] = x.f + x.row(i + t) * x.cols;
+    bf16_tile<N>(tile, w.cols, rows, out);
+    for (int t = 0; t < N; ++t)
+        for (int k = 0; k < kTileRows; ++k) y[int64_t(i + t) * ldy + k] = out[t][k];
+}
+
+// The last m < N tokens of a tile, in one call.
+template <int N>
+void bf16_rest(const uint16_t* tile, const Matrix& w, const Activations& x, int i, int m, float* y, int ldy) {
+    if constexpr (N > 0) {
+        if (m == N) return bf16_tokens<N>(tile, w, x, i, y, ldy);
+        bf16_rest<N - 1>(tile, w, x, i, m, y, ldy);
+    }
+}
+
 void matmul_bf16(const Matrix& w, int r0, int r1, const Activations& x, int n, float* y, int ldy) {
-    float out[kTileRows];
     for (int r = r0; r < r1; r += kTileRows) {
         const uint16_t* tile = reinterpret_cast<const uint16_t*>(block_at(w, r, 0));
-        for (int i = 0; i < n; ++i) {
-            bf16_tile(tile, w.cols, x.f + x.row(i) * x.cols, out);
-            for (int k = 0; k < kTileRows; ++k) y[int64_t(i) * ldy + (r - r0) + k] = out[k];
-        }
+        int i = 0;
+        for (; i + kBf16Tokens <= n; i += kBf16Tokens) bf16_tokens<kBf16Tokens>(tile, w, x, i, y + (r - r0), ldy);
+        bf16_rest<kBf16Tokens - 1>(tile, w, x, i, n - i, y + (r - r0), ldy);
     }
 }
 

@@ -85,6 +85,19 @@ void py_rms_norm(py::array x, py::array w, float eps, py::array out) {
              static_cast<float*>(out.mutable_data()));
 }
 
+void py_add_rms_norm(py::array h, py::array delta, py::array w, float eps, py::array out) {
+    check_array<float>(h, "h", "float32", {-1, -1});
+    const py::ssize_t rows = h.shape(0), cols = h.shape(1);
+    if (!h.writeable()) throw std::invalid_argument("h: must be writable");
+    check_array<float>(delta, "delta", "float32", {rows, cols});
+    check_array<float>(w, "weight", "float32", {cols});
+    check_array<float>(out, "out", "float32", {rows, cols});
+    if (!out.writeable()) throw std::invalid_argument("out: must be writable");
+    if (!(eps >= 0.f)) throw std::invalid_argument("eps: must be >= 0");
+    add_rms_norm(static_cast<float*>(h.mutable_data()), static_cast<const float*>(delta.data()),
+                 static_cast<const float*>(w.data()), int(rows), int(cols), eps, static_cast<float*>(out.mutable_data()));
+}
+
 // A float32 [T, N, D] array whose last dimension is contiguous, as rows and heads with their strides
 // (a query or key view into a fused projection's output, say).
 HeadView head_view(const py::array& a, const char* name, bool writable) {
@@ -97,7 +110,8 @@ HeadView head_view(const py::array& a, const char* name, bool writable) {
     return {static_cast<float*>(const_cast<void*>(a.data())), long(a.strides(0) / 4), long(a.strides(1) / 4)};
 }
 
-void py_rope(py::array x, py::array cos, py::array sin, bool interleaved, py::array out) {
+void py_rope(py::array x, py::array cos, py::array sin, bool interleaved, py::array out, py::object norm_obj,
+             float eps) {
     const HeadView src = head_view(x, "x", false), dst = head_view(out, "out", true);
     const py::ssize_t rows = x.shape(0), heads = x.shape(1), dim = x.shape(2);
     if (out.shape(0) != rows || out.shape(1) != heads || out.shape(2) != dim)
@@ -107,9 +121,16 @@ void py_rope(py::array x, py::array cos, py::array sin, bool interleaved, py::ar
     check_array<float>(sin, "sin", "float32", {rows, half});
     if (half < 1 || 2 * half > dim)
         throw std::invalid_argument("cos: " + std::to_string(half) + " angles do not fit heads of " + std::to_string(dim));
+    py::array norm;
+    if (!norm_obj.is_none()) {
+        norm = norm_obj.cast<py::array>();
+        check_array<float>(norm, "norm", "float32", {dim});
+        if (!(eps >= 0.f)) throw std::invalid_argument("eps: must be >= 0");
+    }
+    const float* norm_p = norm_obj.is_none() ? nullptr : static_cast<const float*>(norm.data());
     py::gil_scoped_release release;
     rope(src, dst, int(rows), int(heads), int(dim), static_cast<const float*>(cos.data()),
-         static_cast<const float*>(sin.data()), int(half), interleaved);
+         static_cast<const float*>(sin.data()), int(half), interleaved, norm_p, eps);
 }
 
 void py_linear_f32(py::array x, py::array w, py::object bias_obj, py::array out, ThreadPool& pool, const std::string& isa) {
@@ -176,7 +197,9 @@ void py_attend(py::array q, py::array k, py::array v, py::array mask, float scal
 
 void register_linear(py::module_& m) {
     m.def("rope", &py_rope, py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("interleaved"), py::arg("out"),
-          "out [T, N, D] = x's heads turned by the rows' angles cos, sin [T, R/2] (out may be x), float32");
+          py::arg("norm") = py::none(), py::arg("eps") = 0.f,
+          "out [T, N, D] = x's heads turned by the rows' angles cos, sin [T, R/2] (out may be x), float32; with "
+          "norm [D], each head RMS-normed (eps) first");
     m.def("linear_f32", &py_linear_f32, py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("out"), py::arg("pool"),
           py::arg("isa") = "", "out [M, O] = x [M, I] weight [O, I]^T (+ bias [O]), float32, every value summed in one "
           "fixed order (the variant's)");
@@ -188,6 +211,9 @@ void register_linear(py::module_& m) {
           py::arg("sinks"), py::arg("out"), py::arg("pool"),
           "out [T, H * Dv] = softmax(scale q k^T, where mask [T, S]; sinks [H] or None) v, q [T, H, Dq] against "
           "k [S, Hkv, Dq] and v [S, Hkv, Dv], float32: a few new tokens' attention over their cache");
+    m.def("add_rms_norm", &py_add_rms_norm, py::arg("h"), py::arg("delta"), py::arg("weight"), py::arg("eps"),
+          py::arg("out"), "h [R, C] += delta, then out [R, C] = rms_norm(h) * weight, float32 (a residual add and "
+          "the next norm in one call)");
     m.def("rms_norm", &py_rms_norm, py::arg("x"), py::arg("weight"), py::arg("eps"), py::arg("out"),
           "out [R, C] = x / sqrt(mean(x^2) + eps) * weight, float32 (the dense path's RMSNorm in one call)");
     py::class_<PackedLinear>(m, "Linear", "A dense linear y = x W^T (+ b), W [O, I] packed in an expert format")

@@ -85,14 +85,23 @@ void rms_norm(const float* x, const float* w, int rows, int cols, float eps, flo
     }
 }
 
+void add_rms_norm(float* h, const float* d, const float* w, int rows, int cols, float eps, float* y) {
+    for (long i = 0, n = long(rows) * cols; i < n; ++i) h[i] += d[i];
+    rms_norm(h, w, rows, cols, eps, y);
+}
+
 void rope(HeadView src, HeadView dst, int rows, int heads, int head_dim, const float* cos, const float* sin,
-          int half, bool interleaved) {
-    std::vector<float> x1(half), x2(half);
+          int half, bool interleaved, const float* norm, float eps) {
+    std::vector<float> x1(half), x2(half), normed(norm ? head_dim : 0);
     for (int t = 0; t < rows; ++t) {
         const float *c = cos + long(t) * half, *s = sin + long(t) * half;
         for (int h = 0; h < heads; ++h) {
             const float* x = src.base + t * src.row + h * src.head;
             float* y = dst.base + t * dst.row + h * dst.head;
+            if (norm) {
+                rms_norm(x, norm, 1, head_dim, eps, normed.data());
+                x = normed.data();
+            }
             for (int i = 0; i < half; ++i) {
                 x1[i] = interleaved ? x[2 * i] : x[i];
                 x2[i] = interleaved ? x[2 * i + 1] : x[half + i];

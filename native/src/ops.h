@@ -14,6 +14,10 @@ namespace tandem {
 // y[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w, in float32 (as the reference models compute it).
 void rms_norm(const float* x, const float* w, int rows, int cols, float eps, float* y);
 
+// The residual add before a norm, fused: h[r] += d[r], then y[r] = rms_norm(h[r]) (the same bits as
+// the add and rms_norm apart).
+void add_rms_norm(float* h, const float* d, const float* w, int rows, int cols, float eps, float* y);
+
 // Heads laid out with strides (in floats): head h of row t starts at base + t * row + h * head.
 struct HeadView {
     float* base;
@@ -24,8 +28,9 @@ struct HeadView {
 // dims of each head turn by their row's angles (cos, sin [T][half]) as (x1 cos - x2 sin, x2 cos +
 // x1 sin), pairs (i, i + half), or interleaved pairs (2i, 2i + 1) written back as those two halves;
 // dims past 2 * half pass as they are. The same float32 operations, in the same order, as torch's.
+// With norm [head_dim], each head is RMS-normed first (Qwen3's per-head q and k norms), as rms_norm.
 void rope(HeadView src, HeadView dst, int rows, int heads, int head_dim, const float* cos, const float* sin,
-          int half, bool interleaved);
+          int half, bool interleaved, const float* norm = nullptr, float eps = 0.f);
 
 // y [M, O] = x [M, I] w^T (+ b) in float32 by the variant's dot_rows (each value summed in one fixed
 // order: a row's result does not depend on the rows around it), output features spread over the

@@ -215,7 +215,7 @@ class WeightLoader:
         return ExactLinear(weight, b, self.pool, self.chain)
 
     def norm(self, prefix: str, size: int) -> torch.Tensor:
-        return self.tensor(f"{prefix}.weight", (size,))
+        return self.tensor(f"{prefix}.weight", (size,)).contiguous()
 
     def _pack(self, prefixes: list[str], outs: list[int], in_features: int, bias: bool, fmt: str):
         import tandem_native

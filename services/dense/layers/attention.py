@@ -99,19 +99,20 @@ class GQAttention:
         self.sinks = w.tensor(f"{prefix}.sinks", (a.num_heads,), torch.float32) if a.sinks else None  # [H]
 
     def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [T, D] -> q [T, H, Dh], k and v [T, Hkv, Dh], q and k normed as the family does."""
+        """x [T, D] -> q [T, H, Dh], k and v [T, Hkv, Dh]; q and k normed over the whole projection
+        where the family does (a per-head norm goes with the rotation)."""
         a, t = self.a, x.shape[0]
         q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
         if a.qk_norm == "all":
             q, k = rms_norm(q, self.q_norm, self.eps), rms_norm(k, self.k_norm, self.eps)
         q, k = q.view(t, a.num_heads, a.head_dim), k.view(t, a.num_kv_heads, a.head_dim)
-        if a.qk_norm == "head":
-            q, k = rms_norm(q, self.q_norm, self.eps), rms_norm(k, self.k_norm, self.eps)
         return q, k, v.view(t, a.num_kv_heads, a.head_dim)
 
     def __call__(self, x: torch.Tensor, cos_sin, segments: list[Segment]) -> torch.Tensor:
-        q, k, v = self._qkv(x)  # views of a fresh projection (or norm) output: turned in place
-        q, k = self.rotary.apply(q, *cos_sin, out=q), self.rotary.apply(k, *cos_sin, out=k)
+        q, k, v = self._qkv(x)  # views of a fresh projection (or norm) output: normed and turned in place
+        head_norm = self.a.qk_norm == "head"
+        q = self.rotary.apply(q, *cos_sin, out=q, norm=self.q_norm if head_norm else None, eps=self.eps)
+        k = self.rotary.apply(k, *cos_sin, out=k, norm=self.k_norm if head_norm else None, eps=self.eps)
         out = []
         for seg in segments:
             k_all, v_all = seg.kv.update(k[seg.rows], v[seg.rows])

@@ -12,6 +12,7 @@ import torch
 from services.common.model_config import RopeConfig, yarn_mscale
 
 from services.dense.layers.native_ops import tandem_native as _native
+from services.dense.layers.norm import rms_norm
 
 
 def _yarn(rope: RopeConfig, base_freqs: torch.Tensor) -> tuple[torch.Tensor, float]:
@@ -60,15 +61,19 @@ class Rotary:
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, R/2]
         return (freqs.cos() * self.scale).to(dtype), (freqs.sin() * self.scale).to(dtype)
 
-    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor | None = None,
+              norm: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
         """x [T, H, R] -> rotated [T, H, R]; interleaved pairs come out as (evens, odds) halves. With
-        partial rotary (x wider than R), the first R dims of each head turn and the rest pass. out
-        (x itself, say) receives the result where the native call applies: float32 on the CPU."""
+        partial rotary (x wider than R), the first R dims of each head turn and the rest pass. norm
+        [R]: each head is RMS-normed (eps) first (Qwen3's per-head q and k norms), in the same call.
+        out (x itself, say) receives the result where the native call applies: float32 on the CPU."""
         if _native is not None and x.device.type == "cpu" and all(t.dtype == torch.float32 for t in (x, cos, sin)):
             out = torch.empty(x.shape, dtype=torch.float32) if out is None else out
             _native.rope(x.detach().numpy(), cos.contiguous().numpy(), sin.contiguous().numpy(), self.interleaved,
-                         out.detach().numpy())
+                         out.detach().numpy(), None if norm is None else norm.float().numpy(), eps)
             return out
+        if norm is not None:
+            x = rms_norm(x, norm, eps)
         dim = 2 * cos.shape[-1]
         if x.shape[-1] > dim:
             return torch.cat((self.apply(x[..., :dim], cos, sin), x[..., dim:]), dim=-1)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from services.dense.kv_cache import Segment, SequenceKV
 from services.dense.layers.attention import make_attention
 from services.dense.layers.mlp import GatedMLP
-from services.dense.layers.norm import rms_norm
+from services.dense.layers.norm import add_rms_norm
 from services.dense.layers.rope import Rotary
 from services.dense.moe.block import MoeBlock
 from services.dense.moe.experts import ExpertBackend
@@ -44,9 +44,13 @@ class DecoderLayer:
         else:
             self.mlp = GatedMLP(w, f"{prefix}.mlp", d, cfg.intermediate_size, cfg.mlp_bias)
 
-    def __call__(self, h: torch.Tensor, cos_sin, segments: list[Segment]) -> torch.Tensor:
-        h = h + self.attention(rms_norm(h, self.input_norm, self.eps), cos_sin, segments)
-        return h + self.mlp(rms_norm(h, self.post_attention_norm, self.eps))
+    def __call__(self, h: torch.Tensor, delta: torch.Tensor | None, cos_sin,
+                 segments: list[Segment]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream h [T, D] with the block output delta [T, D] not yet added into it (None
+        at the first layer) -> the same after this layer: each add goes with the norm after it."""
+        h, x = add_rms_norm(h, delta, self.input_norm, self.eps)
+        h, x = add_rms_norm(h, self.attention(x, cos_sin, segments), self.post_attention_norm, self.eps)
+        return h, self.mlp(x)
 
 
 # Up to this many tokens a step is a decode step.
@@ -102,13 +106,15 @@ class MoeDecoder:
         for c in chunks:
             rows.append(slice(start, start + len(c.tokens)))
             start += len(c.tokens)
-        h = F.embedding(tokens, self.embed)
+        h, delta = F.embedding(tokens, self.embed), None
         for i, layer in enumerate(self.layers):
-            h = layer(h, cos_sin, [Segment(r, c.cache.layers[i], m) for r, c, m in zip(rows, chunks, masks[layer.window])])
+            segments = [Segment(r, c.cache.layers[i], m) for r, c, m in zip(rows, chunks, masks[layer.window])]
+            h, delta = layer(h, delta, cos_sin, segments)
         for c in chunks:
             c.cache.commit(len(c.tokens))
-        h = h[torch.tensor(logit_rows, dtype=torch.long, device=self.device)]
-        return self.lm_head(rms_norm(h, self.norm, self.cfg.rms_norm_eps)).float()
+        keep = torch.tensor(logit_rows, dtype=torch.long, device=self.device)
+        _, x = add_rms_norm(h[keep], None if delta is None else delta[keep], self.norm, self.cfg.rms_norm_eps)
+        return self.lm_head(x).float()
 
     def _mask(self, positions: torch.Tensor, length: int, window: int | None) -> torch.Tensor:
         """[T, S] bool: causal, and inside the sliding window when the layer has one."""

@@ -10,7 +10,7 @@ pytest.importorskip("tandem_native")
 
 import tandem_native  # noqa: E402
 
-from services.dense.layers import attention, rope  # noqa: E402
+from services.dense.layers import attention, norm, rope  # noqa: E402
 from services.dense.pool import shared_pool  # noqa: E402
 from services.dense.weights import ExactLinear, Linear  # noqa: E402
 
@@ -41,6 +41,42 @@ def test_native_rope_gives_torchs_bits_on_views_and_in_place(monkeypatch, gen, i
     rest = fused[:, heads * head_dim:].clone()
     assert rotary.apply(x, cos, sin, out=x) is x
     assert torch.equal(x, want) and torch.equal(fused[:, heads * head_dim:], rest)
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_a_per_head_norm_in_the_rope_call_gives_the_norm_then_rope_bits(monkeypatch, gen, interleaved):
+    """Qwen3's q and k norms ride in the rotation's call: the same bits as rms_norm then rope, native
+    or torch, on a strided view turned in place."""
+    from services.common.model_config import RopeConfig
+
+    rotary = rope.Rotary(RopeConfig(kind="default", theta=10000.0, dim=64, interleaved=interleaved), torch.device("cpu"))
+    t, heads, head_dim = 4, 3, 96
+    weight = torch.rand(head_dim, generator=gen) + 0.5
+    fused = torch.randn(t, (heads + 1) * head_dim, generator=gen) * 3
+    x = fused[:, :heads * head_dim].view(t, heads, head_dim)
+    cos, sin = rotary.cos_sin(torch.arange(t), torch.float32)
+    want = torch_rotary(monkeypatch, rotary, norm.rms_norm(x, weight, 1e-6), cos, sin)
+    with monkeypatch.context() as m:
+        m.setattr(rope, "_native", None)
+        assert (rotary.apply(x, cos, sin, norm=weight, eps=1e-6) - want).abs().max() <= 1e-6
+    assert torch.equal(rotary.apply(x, cos, sin, out=x, norm=weight, eps=1e-6), want)
+
+
+def test_the_fused_residual_add_and_norm_gives_the_add_then_norm_bits(monkeypatch, gen):
+    h, delta = torch.randn(5, 80, generator=gen), torch.randn(5, 80, generator=gen)
+    weight = torch.rand(80, generator=gen)
+    want_h = h + delta
+    want = norm.rms_norm(want_h, weight, 1e-5)
+    got_h, got = norm.add_rms_norm(h.clone(), delta, weight, 1e-5)
+    assert torch.equal(got_h, want_h) and torch.equal(got, want)
+    with monkeypatch.context() as m:  # torch's path: a new h, the caller's left as it was
+        m.setattr(norm, "_native", None)
+        before = h.clone()
+        got_h, got = norm.add_rms_norm(h, delta, weight, 1e-5)
+        assert torch.equal(h, before) and torch.equal(got_h, want_h)
+        assert (got - want).abs().max() <= 1e-5
+    first_h, first = norm.add_rms_norm(h, None, weight, 1e-5)
+    assert first_h is h and torch.equal(first, norm.rms_norm(h, weight, 1e-5))
 
 
 def grouped_masks(t, s, gen):
@@ -107,6 +143,12 @@ def test_the_native_ops_refuse_bad_arguments():
         tandem_native.rope(f32(2, 3, 8)[:, :, ::2], f32(2, 2), f32(2, 2), False, f32(2, 3, 4))
     with pytest.raises(ValueError, match="angles"):
         tandem_native.rope(f32(2, 3, 8), f32(2, 5), f32(2, 5), False, f32(2, 3, 8))
+    with pytest.raises(ValueError, match="norm"):
+        tandem_native.rope(f32(2, 3, 8), f32(2, 4), f32(2, 4), False, f32(2, 3, 8), f32(4), 1e-6)
+    with pytest.raises(ValueError, match="delta"):
+        tandem_native.add_rms_norm(f32(2, 8), f32(2, 7), f32(8), 1e-6, f32(2, 8))
+    with pytest.raises(ValueError, match="eps"):
+        tandem_native.add_rms_norm(f32(2, 8), f32(2, 8), f32(8), -1.0, f32(2, 8))
     with pytest.raises(ValueError, match="weight"):
         tandem_native.linear_f32(f32(2, 8), f32(3, 9), None, f32(2, 3), pool)
     with pytest.raises(ValueError, match="bias"):

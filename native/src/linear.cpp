@@ -70,8 +70,10 @@ void PackedLinear::dequantize(float* out) const {
     for (int r = 0; r < out_; ++r) std::copy_n(all.data() + size_t(r) * cols_, in_, out + size_t(r) * in_);
 }
 
-void PackedLinear::forward(ThreadPool& pool, const KernelTable& table, const float* x, int tokens, float* y) const {
+void PackedLinear::forward(ThreadPool& pool, const KernelTable& table, const float* x, int tokens, float* y,
+                           int ldy) const {
     if (tokens == 0) return;
+    if (ldy == 0) ldy = out_;
     // A token's bits never depend on its batch-mates: the table's batch-invariant kernel where it has one.
     const MatmulFn matmul = table.invariant[int(format_)] ? table.invariant[int(format_)] : table.matmul[int(format_)];
     const Matrix m = matrix();
@@ -84,17 +86,17 @@ void PackedLinear::forward(ThreadPool& pool, const KernelTable& table, const flo
     auto task = [&](int i) {
         const int r0 = i * block, r1 = std::min(rows_, r0 + block), kept = std::min(r1, out_) - r0;
         if (r1 <= out_) {
-            matmul(m, r0, r1, act, tokens, y + r0, out_);
+            matmul(m, r0, r1, act, tokens, y + r0, ldy);
         } else {  // the padded rows' tile: computed aside, only the real rows kept
             thread_local std::vector<float> tail;
             tail.resize(size_t(tokens) * (r1 - r0));
             matmul(m, r0, r1, act, tokens, tail.data(), r1 - r0);
             for (int t = 0; t < tokens; ++t)
-                std::copy_n(tail.data() + size_t(t) * (r1 - r0), kept, y + size_t(t) * out_ + r0);
+                std::copy_n(tail.data() + size_t(t) * (r1 - r0), kept, y + size_t(t) * ldy + r0);
         }
         if (!bias_.empty())
             for (int t = 0; t < tokens; ++t)
-                for (int r = r0; r < r0 + kept; ++r) y[size_t(t) * out_ + r] += bias_[r];
+                for (int r = r0; r < r0 + kept; ++r) y[size_t(t) * ldy + r] += bias_[r];
     };
     if (tasks == 1) task(0);
     else pool.parallel_for(tasks, task);

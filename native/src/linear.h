@@ -38,8 +38,10 @@ public:
     void put_codes(int row0, int rows, const uint8_t* codes, const uint16_t* scales, const uint16_t* mins);
     void set_bias(const float* b);  // [O]
     void dequantize(float* out) const;  // [O][I]
-    // y [T][O] = x [T][I] W^T (+ b); from inside a job on `pool` (the coordinator thread).
-    void forward(ThreadPool& pool, const KernelTable& k, const float* x, int tokens, float* y) const;
+    // y [T][O] = x [T][I] W^T (+ b); from inside a job on `pool` (the coordinator thread). Rows of y
+    // are ldy floats apart (0: O; more: y is a column range of a wider output, several linears of one
+    // input side by side).
+    void forward(ThreadPool& pool, const KernelTable& k, const float* x, int tokens, float* y, int ldy = 0) const;
 
 private:
     Format format_;

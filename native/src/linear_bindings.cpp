@@ -74,6 +74,35 @@ void linear_forward(const PackedLinear& l, py::array x, py::array out, ThreadPoo
     pool.run([&] { l.forward(pool, k, xp, int(T), yp); });
 }
 
+// Linears of one input in one call, their outputs side by side: out [T, sum O].
+void linears_forward(const std::vector<const PackedLinear*>& parts, py::array x, py::array out, ThreadPool& pool,
+                     const std::string& isa) {
+    if (parts.empty()) throw std::invalid_argument("linears: expected at least one");
+    int width = 0;
+    for (const PackedLinear* l : parts) {
+        if (l->in() != parts[0]->in())
+            throw std::invalid_argument("linears: in_features " + std::to_string(l->in()) + " and " +
+                                        std::to_string(parts[0]->in()) + " differ");
+        width += l->out();
+    }
+    check_array<float>(x, "x", "float32", {-1, parts[0]->in()});
+    const py::ssize_t T = x.shape(0);
+    check_array<float>(out, "out", "float32", {T, width});
+    if (!out.writeable()) throw std::invalid_argument("out: must be writable");
+    if (out.data() == x.data()) throw std::invalid_argument("out: must not alias x");
+    const KernelTable& k = table(isa);
+    const float* xp = static_cast<const float*>(x.data());
+    float* yp = static_cast<float*>(out.mutable_data());
+    py::gil_scoped_release release;
+    pool.run([&] {
+        int offset = 0;
+        for (const PackedLinear* l : parts) {
+            l->forward(pool, k, xp, int(T), yp + offset, width);
+            offset += l->out();
+        }
+    });
+}
+
 void py_rms_norm(py::array x, py::array w, float eps, py::array out) {
     check_array<float>(x, "x", "float32", {-1, -1});
     const py::ssize_t rows = x.shape(0), cols = x.shape(1);
@@ -246,6 +275,8 @@ void register_linear(py::module_& m) {
         }, "The float32 weight [O, I] the packed values stand for")
         .def("forward", &linear_forward, py::arg("x"), py::arg("out"), py::arg("pool"), py::arg("isa") = "",
              "out [T, O] = x [T, I] W^T (+ b), written in place");
+    m.def("linears_forward", &linears_forward, py::arg("linears"), py::arg("x"), py::arg("out"), py::arg("pool"),
+          py::arg("isa") = "", "out [T, sum O] = each linear's x [T, I] W^T (+ b) side by side, in one call");
 }
 
 }  // namespace tandem

@@ -105,16 +105,19 @@ class PackedLinear:
 
 @dataclass(frozen=True)
 class PackedLinears:
-    """Packed linears of one input in different formats, their outputs side by side."""
+    """Packed linears of one input in different formats, their outputs side by side (one native call)."""
 
     parts: tuple[PackedLinear, ...]
     chain: WarmChain | None = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [M, I] -> [M, sum O]
-        out = torch.cat([p.forward(x) for p in self.parts], dim=-1)
+        x32 = x.detach().to(torch.float32).contiguous()
+        out = torch.empty((x.shape[0], sum(p.packed.out_features for p in self.parts)), dtype=torch.float32)
+        native_ops.tandem_native.linears_forward([p.packed for p in self.parts], x32.numpy(), out.numpy(),
+                                                 self.parts[0].pool)
         if self.chain is not None and x.shape[0] <= WARM_ROWS:
             self.chain.after(self)
-        return out
+        return out if x.dtype == torch.float32 else out.to(x.dtype)
 
     def ranges(self) -> tuple[tuple[int, int], ...]:
         return tuple(r for p in self.parts for r in p.ranges())

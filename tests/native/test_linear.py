@@ -117,6 +117,25 @@ def test_put_codes_stores_codes_and_scales_as_they_are(pool):
         assert relative_error(forward(lin, x, pool), x @ want.T) <= 0.02
 
 
+@pytest.mark.parametrize("tokens", [1, 5, 40])
+def test_linears_of_one_input_in_one_call_equal_each_called_alone(tokens, pool):
+    """A query projection in int4 beside key/value ones in int8 (and a padded part with a bias): one
+    linears_forward call writes each part's bits into its column range."""
+    rng = np.random.default_rng(tokens)
+    parts = [packed("int4", weight(rng, 96, 64), pool), packed("int8", weight(rng, 40, 64), pool),
+             packed("bf16", weight(rng, 100, 64), pool, rng.standard_normal(100, dtype=np.float32))]
+    x = rng.standard_normal((tokens, 64), dtype=np.float32)
+    out = np.full((tokens, 236), np.nan, dtype=np.float32)
+    tn.linears_forward(parts, x, out, pool)
+    assert np.array_equal(out, np.concatenate([forward(p, x, pool) for p in parts], axis=1))
+    with pytest.raises(ValueError, match="out"):
+        tn.linears_forward(parts, x, out[:, :235].copy(), pool)
+    with pytest.raises(ValueError, match="in_features"):
+        tn.linears_forward([parts[0], packed("int8", weight(rng, 16, 32), pool)], x, out, pool)
+    with pytest.raises(ValueError, match="at least one"):
+        tn.linears_forward([], x, out, pool)
+
+
 def test_zero_tokens_is_a_no_op(pool):
     lin = packed("int8", weight(np.random.default_rng(7), 64, 64), pool)
     forward(lin, np.zeros((0, 64), np.float32), pool)

@@ -25,7 +25,7 @@ from services.dense.kv_cache import bytes_per_token
 from services.dense.loader import load_model, open_checkpoint
 from services.dense.server import DenseServicer, ModelInfo
 from services.dense.tokenizer import Tokenizer
-from services.dense.weights import FINER, PACKED_BYTES_PER_WEIGHT
+from services.dense.weights import FINER, PACKED_BYTES_PER_WEIGHT, kv_format
 from tandem.v1 import dense_pb2 as pb
 from tandem.v1 import dense_pb2_grpc as pb_grpc
 
@@ -67,9 +67,12 @@ def _packed_linear(name: str) -> bool:
     return (name.endswith(".weight") and "_proj" in name and "kv_b_proj" not in name) or name == "lm_head.weight"
 
 
-def _finer(name: str) -> bool:
-    """A linear packed one format finer than --dense-format asks (weights.FINER)."""
-    return name == "lm_head.weight" or name.endswith(("k_proj.weight", "v_proj.weight"))
+def _packed_format(name: str, fmt: str, routed_experts: int) -> str:
+    """The format a linear is packed in under --dense-format fmt (lm_head one finer, the key and value
+    projections weights.kv_format's)."""
+    if name == "lm_head.weight":
+        return FINER.get(fmt, fmt)
+    return kv_format(fmt, routed_experts) if name.endswith(("k_proj.weight", "v_proj.weight")) else fmt
 
 
 def check_memory(cfg: DenseConfig) -> None:
@@ -84,7 +87,7 @@ def check_memory(cfg: DenseConfig) -> None:
     routed = [n for n in loaded if model_cfg.is_routed_expert_tensor(n)]
     dense = [n for n in loaded if n not in set(routed) or cfg.experts == "reference"]
     fmt = cfg.runtime.weights
-    packed = {n: PACKED_BYTES_PER_WEIGHT[FINER.get(fmt, fmt) if _finer(n) else fmt]
+    packed = {n: PACKED_BYTES_PER_WEIGHT[_packed_format(n, fmt, model_cfg.moe.num_experts)]
               for n in dense if fmt != "float" and _packed_linear(n)}
     weights = sum(math.prod(checkpoint.shape(n)) * packed.get(n, size) for n in dense)
     kv = cfg.kv_tokens * bytes_per_token(model_cfg, dtype)

@@ -30,5 +30,6 @@ def load_model(
     if experts is None:
         experts = TorchExperts(cfg, checkpoint, runtime.torch_dtype, runtime.torch_device)
     pool = shared_pool(runtime.threads, runtime.spin_us) if runtime.weights != "float" else None
-    loader = WeightLoader(checkpoint, runtime.torch_dtype, runtime.torch_device, runtime.weights, pool)
+    loader = WeightLoader(checkpoint, runtime.torch_dtype, runtime.torch_device, runtime.weights, pool,
+                          cfg.moe.num_experts)
     return MoeDecoder(cfg, loader, experts), experts

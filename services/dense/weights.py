@@ -23,6 +23,18 @@ TAKES = {("int4", "int4"): ("int4", "int4_asym"), ("int4", "int8"): ("int8", "in
          ("int4_asym", "int8"): ("int8", "int4", "int4_asym"), ("int8", "bf16"): ("int8",)}
 # The format one step finer than a packed dense format: lm_head's, and the key and value projections'
 FINER = {"int8": "bf16", "int4": "int8", "int4_asym": "int8"}
+
+
+def kv_format(weights: str, routed_experts: int) -> str:
+    """The key and value projections' packed format under a dense format request: the next finer one
+    under int8 (bf16), and under a 4-bit request where the model has 8 routed experts, as llama.cpp's
+    4-bit types give attn_k and attn_v Q8_0 there only (llama-quant.cpp): small tensors whose rounding
+    the cache holds for every later token. Elsewhere the request's own."""
+    if weights == "int8" or (weights in ("int4", "int4_asym") and routed_experts == 8):
+        return FINER[weights]
+    return weights
+
+
 # Bytes per weight of each packed format, scales included (group of 32), for memory estimates.
 PACKED_BYTES_PER_WEIGHT = {"bf16": 2.0, "int8": 1.0625, "int4": 0.5625, "int4_asym": 0.625}
 
@@ -154,8 +166,9 @@ class WeightLoader:
     as they are where they are that format (an int4 request also takes stored int4_asym codes)."""
 
     def __init__(self, checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device, weights: str = "float",
-                 pool=None):
+                 pool=None, routed_experts: int = 0):
         self.checkpoint = checkpoint
+        self.routed_experts = routed_experts  # the model's, for kv_format
         self.dtype = dtype
         self.device = device
         self.weights = weights
@@ -187,12 +200,9 @@ class WeightLoader:
         return Linear(join(weights), join(biases) if biases else None)
 
     def part_format(self, prefix: str) -> str:
-        """A dense linear's packed format: the request's, but the key and value projections take the
-        next finer one (int8 under a 4-bit request, as llama.cpp's 4-bit types give them 8 bits in
-        models of 8+ experts; bf16 under int8): small tensors, and the cache holds their rounding for
-        every later token."""
-        if self.weights in FINER and prefix.rsplit(".", 1)[-1] in ("k_proj", "v_proj"):
-            return FINER[self.weights]
+        """A dense linear's packed format: the request's, the key and value projections' kv_format."""
+        if prefix.rsplit(".", 1)[-1] in ("k_proj", "v_proj"):
+            return kv_format(self.weights, self.routed_experts)
         return self.weights
 
     def output_linear(self, prefix: str, out_features: int, in_features: int) -> Linear | PackedLinear:

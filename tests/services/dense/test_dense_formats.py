@@ -100,13 +100,17 @@ def test_every_dense_linear_is_packed_and_only_kv_b_stays_a_tensor(family_checkp
     assert isinstance(attention.o_proj, PackedLinear)
 
 
-def test_a_4_bit_request_keeps_lm_head_keys_and_values_in_int8_as_llama_cpp_does():
+def test_a_4_bit_request_keeps_lm_head_in_int8_and_keys_and_values_too_with_8_experts_as_llama_cpp_does():
+    """llama.cpp's 4-bit types keep output.weight in 6 or 8 bits, and give attn_k and attn_v Q8_0 in
+    models of exactly 8 experts (llama-quant.cpp): mixtral's tiny checkpoint has 8, qwen3_moe's 16."""
     from tests.checkpoints import checkpoint
 
-    model = packed_model(checkpoint("qwen3_moe"), "int4")
+    model = packed_model(checkpoint("mixtral"), "int4")
     q, kv = model.layers[0].attention.qkv_proj.parts
     assert (q.packed.format, kv.packed.format, model.lm_head.packed.format) == ("int4", "int8", "int8")
     assert model.layers[0].attention.o_proj.packed.format == "int4"
+    model = packed_model(checkpoint("qwen3_moe"), "int4")
+    assert (model.layers[0].attention.qkv_proj.packed.format, model.lm_head.packed.format) == ("int4", "int8")
 
 
 def test_an_int8_request_keeps_lm_head_keys_and_values_in_bf16():

@@ -33,6 +33,7 @@ struct Prepared {
     AlignedVector<float> s, f;
     AlignedVector<int32_t> c;     // int4 only
     AlignedVector<int32_t> sums;  // int4_asym only
+    AlignedVector<uint8_t> bf16_exact;  // bf16 only: per row, arrange's verdict
 
     // Rows index[0 .. n) of these `cols`-wide activations as a new contiguous set (padded as prepare pads).
     Prepared gather(ThreadPool& pool, const int32_t* index, int n, int cols) const {
@@ -42,7 +43,7 @@ struct Prepared {
         };
         const size_t blocks = cols / kBlock;
         take(q, out.q, cols), take(s, out.s, blocks), take(c, out.c, cols / 8), take(sums, out.sums, blocks);
-        take(f, out.f, cols);
+        take(f, out.f, cols), take(bf16_exact, out.bf16_exact, 1);
         constexpr int chunk = 64;
         pool.parallel_for((n + chunk - 1) / chunk, [&](int task) {
             for (int r = task * chunk; r < std::min(n, (task + 1) * chunk); ++r) {
@@ -51,7 +52,7 @@ struct Prepared {
                     if (!src.empty()) std::copy_n(src.data() + from * width, width, dst.data() + size_t(r) * width);
                 };
                 copy(q, out.q, cols), copy(s, out.s, blocks), copy(c, out.c, cols / 8), copy(sums, out.sums, blocks);
-                copy(f, out.f, cols);
+                copy(f, out.f, cols), copy(bf16_exact, out.bf16_exact, 1);
             }
         });
         return out;
@@ -68,6 +69,7 @@ struct Prepared {
             if (!sums.empty()) a.sums = sums.data() + first_row * (cols / kBlock);
         } else {
             a.f = f.data() + first_row * cols;
+            a.bf16_exact = bf16_exact.data() + first_row;
         }
         return a;
     }
@@ -88,6 +90,7 @@ Prepared prepare(ThreadPool& pool, const KernelTable& k, Format f, int rows, int
         if (f == Format::INT4_ASYM) make(out.sums, cols / kBlock);
     } else {
         make(out.f, cols);
+        make(out.bf16_exact, 1);
     }
     constexpr int chunk = 8;
     auto run = [&](int task) {
@@ -95,7 +98,7 @@ Prepared prepare(ThreadPool& pool, const KernelTable& k, Format f, int rows, int
         tmp.resize(cols);
         for (int r = task * chunk; r < std::min(rows, (task + 1) * chunk); ++r) {
             produce(r, tmp.data());
-            if (!quantized) k.arrange(tmp.data(), cols, out.f.data() + size_t(r) * cols);
+            if (!quantized) out.bf16_exact[r] = k.arrange(tmp.data(), cols, out.f.data() + size_t(r) * cols);
             else k.quantize(tmp.data(), cols, activation_levels(f), out.q.data() + size_t(r) * cols,
                             out.s.data() + size_t(r) * (cols / kBlock));
             if (!out.c.empty()) int4_corrections(out.q.data() + size_t(r) * cols, cols, out.c.data() + size_t(r) * (cols / 8));

@@ -117,6 +117,27 @@ def test_put_codes_stores_codes_and_scales_as_they_are(pool):
         assert relative_error(forward(lin, x, pool), x @ want.T) <= 0.02
 
 
+@pytest.mark.parametrize("isa", ALL_ISAS)
+def test_bf16_rows_of_exactly_bf16_values_get_the_same_bits_on_either_path(isa, pool):
+    """A token whose activations are exactly bf16 (a bfloat16 dense path's) has no low parts: the
+    vdpbf16ps kernels skip their products where every token of a tile group is such a token. Its
+    bits are the same either way: alone, among its kind, or beside a token that has low parts."""
+    if isa not in tn.supported_isas():
+        pytest.skip(f"{isa}: not supported by this CPU or build (supported: {tn.supported_isas()})")
+    rng = np.random.default_rng(7)
+    lin = packed("bf16", weight(rng, 100, 128), pool)
+    x = rng.standard_normal((20, 128), dtype=np.float32)
+    exact = (x.view(np.uint32) & np.uint32(0xFFFF0000)).view(np.float32)  # bf16 values, as float32
+    mixed = exact.copy()
+    mixed[5] = x[5]
+    full = forward(lin, mixed, pool, isa)
+    for rows in (exact, mixed):
+        assert np.array_equal(forward(lin, rows, pool, isa)[:5], full[:5])
+    for i in (0, 3, 19):
+        assert np.array_equal(forward(lin, exact[i:i + 1].copy(), pool, isa)[0], full[i])
+    assert relative_error(full, forward(lin, mixed, pool, "generic")) <= 1e-4
+
+
 @pytest.mark.parametrize("tokens", [1, 5, 40])
 def test_linears_of_one_input_in_one_call_equal_each_called_alone(tokens, pool):
     """A query projection in int4 beside key/value ones in int8 (and a padded part with a bias): one

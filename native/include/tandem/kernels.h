@@ -21,6 +21,7 @@ struct Activations {
     const int32_t* c = nullptr;  // int4 weights: [rows][C / 8] from int4_corrections
     const int32_t* sums = nullptr;  // int4_asym weights: [rows][C / 32], each block's sum of q
     const int32_t* index = nullptr;
+    const uint8_t* bf16_exact = nullptr;  // bf16 weights: per row, 1 where arrange found x exactly bf16
     int cols = 0;
 
     int64_t row(int i) const { return index ? index[i] : i; }
@@ -42,8 +43,9 @@ void int4_corrections(const int8_t* q, int cols, int32_t* out);
 // Each 32-column block's sum of a quantized row (int4_asym: the minimums' share of a product).
 void block_sums(const int8_t* q, int cols, int32_t* out);
 // One row of C fp32 values -> the layout this variant's bf16 matmul reads, C floats' worth of bytes
-// (may reorder the columns, or split each value into two bf16 parts).
-using ArrangeFn = void (*)(const float* x, int cols, float* out);
+// (may reorder the columns, or split each value into two bf16 parts); true where that split found
+// every value exactly bf16 (no low parts: the matmul may skip their products), else false.
+using ArrangeFn = bool (*)(const float* x, int cols, float* out);
 
 // h[j] = silu(gate_up[j]) * gate_up[I + j] for j < I: one token's [2I] gate/up row -> [I].
 using SiluMulFn = void (*)(const float* gate_up, int intermediate, float* h);

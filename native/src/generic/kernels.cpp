@@ -82,7 +82,10 @@ void matmul_int4_asym(const Matrix& w, int r0, int r1, const Activations& x, int
     });
 }
 
-void arrange(const float* x, int cols, float* out) { std::copy(x, x + cols, out); }
+bool arrange(const float* x, int cols, float* out) {
+    std::copy(x, x + cols, out);
+    return false;
+}
 
 void silu_mul(const float* gate_up, int intermediate, float* h) {
     for (int j = 0; j < intermediate; ++j) {

@@ -3,7 +3,8 @@
 //   AVX2 + FMA + F16C     the base (VEX, 16 registers, 2 tokens per weight load in prefill);
 //   AVX-512 F/BW/VL/DQ    EVEX with 32 registers: 4 tokens per weight load;
 //   + AVX512_VNNI         vpdpbusd for the int8 dot products;
-//   + AVX512_BF16         vdpbf16ps for bf16 weights, against activations split into two bf16 parts.
+//   + AVX512_BF16         vdpbf16ps for bf16 weights, against activations split into two bf16 parts
+//                         (the low one skipped for tokens whose values are exactly bf16).
 // Everything lives in an anonymous namespace: each variant's object has its own copy.
 // int8 uses the sign trick: |a| (unsigned) times sign(b, a) (signed) through maddubs (which cannot
 // saturate because |a|, |b| <= 127) or vpdpbusd (which does not saturate). int4 looks its levels up
@@ -90,7 +91,8 @@ constexpr int kChunk = 16;
 // carry 16 of its 24 significant bits (relative error <= 2^-17, far below the weights' 2^-9): a
 // chunk holds its 16 hi values, then its 16 lo values, in column order (64 bytes, as 16 floats).
 // cols is a multiple of 16 (a bf16 weight block).
-void arrange(const float* x, int cols, float* out) {
+bool arrange(const float* x, int cols, float* out) {
+    __m256i lo_bits = _mm256_setzero_si256();
     for (int c = 0; c < cols; c += kChunk) {
         const __m256 a = _mm256_loadu_ps(x + c), b = _mm256_loadu_ps(x + c + kChunk / 2);
         const __m256bh hi = _mm256_cvtne2ps_pbh(b, a);  // columns 0-7 from a, 8-15 from b
@@ -100,13 +102,17 @@ void arrange(const float* x, int cols, float* out) {
         const __m256bh lo = _mm256_cvtne2ps_pbh(_mm256_sub_ps(b, b_hi), _mm256_sub_ps(a, a_hi));
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + c), hi_bits);
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + c + kChunk / 2), (__m256i)lo);
+        lo_bits = _mm256_or_si256(lo_bits, (__m256i)lo);
     }
+    return _mm256_testz_si256(lo_bits, lo_bits);
 }
 
 // One 4-row tile of bf16 weights against N tokens sharing its loads: y[i][k] = dot(row r + k, x[i]).
 // Each lane adds a chunk's lo products, then its hi ones, into one accumulator, in the same order
 // whatever N: a token's sums are the same alone or beside others (batch invariance).
-template <int N>
+// Lo = false: every token's x is exactly bf16 (arrange's low parts all +0), whose products would add
+// nothing: skipped, one vdpbf16ps a chunk instead of two (the same sums).
+template <int N, bool Lo>
 void bf16_tile(const uint16_t* tile, int cols, const float* const* x, float (*y)[kTileRows]) {
     __m256 acc[N][kTileRows];
     for (int i = 0; i < N; ++i)
@@ -118,8 +124,12 @@ void bf16_tile(const uint16_t* tile, int cols, const float* const* x, float (*y)
         for (int k = 0; k < kTileRows; ++k) v[k] = (__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + k * kChunk));
         for (int i = 0; i < N; ++i) {
             const __m256bh hi = (__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[i] + c));
-            const __m256bh lo = (__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[i] + c + kChunk / 2));
-            for (int k = 0; k < kTileRows; ++k) acc[i][k] = _mm256_dpbf16_ps(_mm256_dpbf16_ps(acc[i][k], v[k], lo), v[k], hi);
+            if constexpr (Lo) {
+                const __m256bh lo = (__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[i] + c + kChunk / 2));
+                for (int k = 0; k < kTileRows; ++k) acc[i][k] = _mm256_dpbf16_ps(_mm256_dpbf16_ps(acc[i][k], v[k], lo), v[k], hi);
+            } else {
+                for (int k = 0; k < kTileRows; ++k) acc[i][k] = _mm256_dpbf16_ps(acc[i][k], v[k], hi);
+            }
         }
     }
     for (int i = 0; i < N; ++i)
@@ -128,7 +138,7 @@ void bf16_tile(const uint16_t* tile, int cols, const float* const* x, float (*y)
 #else
 // A shift gives a weight chunk's even columns as fp32 and a mask the odd ones, so a chunk of x is
 // stored as its 8 even then 8 odd values.
-void arrange(const float* x, int cols, float* out) {
+bool arrange(const float* x, int cols, float* out) {
     int c = 0;
     for (; c + kChunk <= cols; c += kChunk)
         for (int j = 0; j < kChunk / 2; ++j) {
@@ -136,6 +146,7 @@ void arrange(const float* x, int cols, float* out) {
             out[c + kChunk / 2 + j] = x[c + 2 * j + 1];
         }
     for (; c < cols; ++c) out[c] = x[c];
+    return false;
 }
 
 // One 4-row tile of bf16 weights against N tokens sharing its loads: y[i][k] = dot(row r + k, x[i]).
@@ -182,7 +193,14 @@ void bf16_tokens(const uint16_t* tile, const Matrix& w, const Activations& x, in
     const float* rows[N];
     float out[N][kTileRows];
     for (int t = 0; t < N; ++t) rows[t] = x.f + x.row(i + t) * x.cols;
+#if defined(TANDEM_SIMD_BF16)
+    bool exact = x.bf16_exact != nullptr;
+    for (int t = 0; t < N && exact; ++t) exact = x.bf16_exact[x.row(i + t)];
+    if (exact) bf16_tile<N, false>(tile, w.cols, rows, out);
+    else bf16_tile<N, true>(tile, w.cols, rows, out);
+#else
     bf16_tile<N>(tile, w.cols, rows, out);
+#endif
     for (int t = 0; t < N; ++t)
         for (int k = 0; k < kTileRows; ++k) y[int64_t(i + t) * ldy + k] = out[t][k];
 }

@@ -41,6 +41,9 @@ KT_PYTHON = BENCH / ".venv-kt" / "bin" / "python"
 KT_FORMATS = ("BF16", "Q8_0", "Q4_0", "RAWINT4", "AMXRAWINT4", "AMXBF16", "AMXINT8", "AMXINT4")
 KT_TIMEOUT_S = 900
 OUR_FORMATS = ("bf16", "int8", "int4", "int4_asym")
+# Our bf16 weights fed the activations rounded to bf16, as kt-kernel's classes take them (the rows
+# above feed float32): exactly bf16 tokens skip vdpbf16ps's low-part products.
+BF16_X = "bf16_bx"
 GROUP_SIZE = 32
 IMPLS = ("torch", "tandem", "kt")
 
@@ -114,7 +117,7 @@ def torch_rows(wl: mc.Workload, cfg: BenchConfig) -> list[dict]:
 # ------------------------------------------------------------------ ours (tandem_native)
 
 
-def tandem_impl(tn, wl: mc.Workload, fmt: str, pool) -> tuple[mc.Impl, float]:
+def tandem_impl(tn, wl: mc.Workload, fmt: str, pool, bf16_x: bool = False) -> tuple[mc.Impl, float]:
     """A layer of E experts, and the seconds packing took. Where E exceeds the float32 source (the
     DeepSeek shape), the layer is E / K copies of one packed chunk of K experts, and decode rotates
     through the chunks: every call still streams K experts from DRAM, while packing (slow for int4)
@@ -127,6 +130,7 @@ def tandem_impl(tn, wl: mc.Workload, fmt: str, pool) -> tuple[mc.Impl, float]:
     layers = [tn.MoeLayer(buf)] + [tn.MoeLayer(buf.copy()) for _ in range(E // per_chunk - 1)]
 
     def prepare(x, ids, w):
+        x = x.bfloat16().float() if bf16_x else x
         return x.numpy(), ids.numpy(), w.numpy(), np.empty(tuple(x.shape), np.float32)
 
     def forward(chunk, a):
@@ -138,7 +142,7 @@ def tandem_impl(tn, wl: mc.Workload, fmt: str, pool) -> tuple[mc.Impl, float]:
 
 def tandem_format_rows(tn, wl: mc.Workload, fmt: str, pool, cfg: BenchConfig) -> list[dict]:
     try:
-        runner, pack_s = tandem_impl(tn, wl, fmt, pool)
+        runner, pack_s = tandem_impl(tn, wl, "bf16" if fmt == BF16_X else fmt, pool, bf16_x=fmt == BF16_X)
         note = f"{tn.active_isa()}, pack {pack_s:.1f} s"
         return measure(wl, runner, cfg, impl="tandem", format=fmt, pack_s=pack_s, isa=tn.active_isa(), note=note)
     except (ValueError, RuntimeError) as e:  # what the bindings raise
@@ -151,7 +155,7 @@ def tandem_rows(wl: mc.Workload, cfg: BenchConfig) -> list[dict]:
     except ImportError as e:
         return [mc.failed_row(wl.shape, "tandem", "-", f"not built: {e}")]
     pool = tn.ThreadPool(cfg.threads)
-    return [r for fmt in OUR_FORMATS for r in tandem_format_rows(tn, wl, fmt, pool, cfg)]
+    return [r for fmt in (*OUR_FORMATS, BF16_X) for r in tandem_format_rows(tn, wl, fmt, pool, cfg)]
 
 
 def local_rows(shape: mc.MoeShape, cfg: BenchConfig) -> tuple[list[dict], list[dict]]:
@@ -315,7 +319,8 @@ frac BW: median over the blocks of each block's GB/s / the mean of the samples e
 frac run = GB/s / the median of the run's read samples; frac max = GB/s / the best of them.
 prefill: 512 tokens, top-8; GFLOP/s = 2*T*K*3*D*I / time (integer kernels can pass the fp32 peak).
 E: experts in the layer; rel err: L2 error against float32 on the same weights (kt-kernel takes
-bf16 activations); thr for kt-kernel: the fastest of the thread counts tried."""
+bf16 activations; our bf16_bx row feeds our bf16 weights the same, the bf16 row float32 ones);
+thr for kt-kernel: the fastest of the thread counts tried."""
 
 
 def cell(row: dict, key: str, fmt: str | None) -> str:
@@ -341,7 +346,7 @@ def print_table(rows: list[dict], limits: dict, info: dict) -> None:
 
 
 # our format -> kt-kernel's classes of the nearest format
-KT_NEAREST = {"bf16": ("BF16", "AMXBF16"), "int8": ("Q8_0", "AMXINT8"),
+KT_NEAREST = {"bf16": ("BF16", "AMXBF16"), BF16_X: ("BF16", "AMXBF16"), "int8": ("Q8_0", "AMXINT8"),
               "int4": ("Q4_0", "RAWINT4", "AMXRAWINT4", "AMXINT4"), "int4_asym": ("Q4_0", "RAWINT4", "AMXRAWINT4", "AMXINT4")}
 # kt-kernel's classes with one scale per weight row (ours have one per 32 weights): quantized at load,
 # coarser (about twice our int4's error), and on the tiles they sum whole rows before scaling once

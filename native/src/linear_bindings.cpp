@@ -61,19 +61,6 @@ void put_linear_codes(PackedLinear& l, int row0, py::array codes, py::array scal
                 mins_obj.is_none() ? nullptr : static_cast<const uint16_t*>(mins.data()));
 }
 
-void linear_forward(const PackedLinear& l, py::array x, py::array out, ThreadPool& pool, const std::string& isa) {
-    check_array<float>(x, "x", "float32", {-1, l.in()});
-    const py::ssize_t T = x.shape(0);
-    check_array<float>(out, "out", "float32", {T, l.out()});
-    if (!out.writeable()) throw std::invalid_argument("out: must be writable");
-    if (out.data() == x.data()) throw std::invalid_argument("out: must not alias x");
-    const KernelTable& k = table(isa);
-    const float* xp = static_cast<const float*>(x.data());
-    float* yp = static_cast<float*>(out.mutable_data());
-    py::gil_scoped_release release;
-    pool.run([&] { l.forward(pool, k, xp, int(T), yp); });
-}
-
 // Linears of one input in one call, their outputs side by side: out [T, sum O].
 void linears_forward(const std::vector<const PackedLinear*>& parts, py::array x, py::array out, ThreadPool& pool,
                      const std::string& isa) {
@@ -101,6 +88,10 @@ void linears_forward(const std::vector<const PackedLinear*>& parts, py::array x,
             offset += l->out();
         }
     });
+}
+
+void linear_forward(const PackedLinear& l, py::array x, py::array out, ThreadPool& pool, const std::string& isa) {
+    linears_forward({&l}, x, out, pool, isa);
 }
 
 void py_rms_norm(py::array x, py::array w, float eps, py::array out) {

@@ -6,7 +6,7 @@ Shapes: M rows (tokens), I input features, O output features (of several linears
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -23,6 +23,8 @@ TAKES = {("int4", "int4"): ("int4", "int4_asym"), ("int4", "int8"): ("int8", "in
          ("int4_asym", "int8"): ("int8", "int4", "int4_asym"), ("int8", "bf16"): ("int8",)}
 # The format one step finer than a packed dense format: lm_head's, and the key and value projections'
 FINER = {"int8": "bf16", "int4": "int8", "int4_asym": "int8"}
+# Bytes per weight of each packed format, scales included (group of 32), for memory estimates.
+PACKED_BYTES_PER_WEIGHT = {"bf16": 2.0, "int8": 1.0625, "int4": 0.5625, "int4_asym": 0.625}
 
 
 def kv_format(weights: str, routed_experts: int) -> str:
@@ -33,10 +35,6 @@ def kv_format(weights: str, routed_experts: int) -> str:
     if weights == "int8" or (weights in ("int4", "int4_asym") and routed_experts == 8):
         return FINER[weights]
     return weights
-
-
-# Bytes per weight of each packed format, scales included (group of 32), for memory estimates.
-PACKED_BYTES_PER_WEIGHT = {"bf16": 2.0, "int8": 1.0625, "int4": 0.5625, "int4_asym": 0.625}
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -90,6 +88,15 @@ class WarmChain:
             self.pool.warm(address, nbytes)
 
 
+def _packed_forward(linears: tuple, width: int, pool, x: torch.Tensor) -> torch.Tensor:
+    """x [M, I] -> the linears' outputs side by side [M, width], in one native call on float32
+    activations, returned in x's dtype."""
+    x32 = x.detach().to(torch.float32).contiguous()
+    out = torch.empty((x.shape[0], width), dtype=torch.float32)
+    native_ops.tandem_native.linears_forward(list(linears), x32.numpy(), out.numpy(), pool)
+    return out if x.dtype == torch.float32 else out.to(x.dtype)
+
+
 @dataclass(frozen=True)
 class PackedLinear:
     """A dense linear held in a packed format and computed by the native kernels (one always-active
@@ -106,10 +113,7 @@ class PackedLinear:
         return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.detach().to(torch.float32).contiguous()
-        out = torch.empty((x.shape[0], self.packed.out_features), dtype=torch.float32)
-        self.packed.forward(x32.numpy(), out.numpy(), self.pool)
-        return out if x.dtype == torch.float32 else out.to(x.dtype)
+        return _packed_forward((self.packed,), self.packed.out_features, self.pool, x)
 
     def ranges(self) -> tuple[tuple[int, int], ...]:
         return ((self.packed.address, self.packed.nbytes),)
@@ -121,15 +125,18 @@ class PackedLinears:
 
     parts: tuple[PackedLinear, ...]
     chain: WarmChain | None = None
+    packed: tuple = field(init=False)  # the parts' tandem_native.Linear, in order
+    width: int = field(init=False)  # sum O
+
+    def __post_init__(self):
+        object.__setattr__(self, "packed", tuple(p.packed for p in self.parts))
+        object.__setattr__(self, "width", sum(p.packed.out_features for p in self.parts))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [M, I] -> [M, sum O]
-        x32 = x.detach().to(torch.float32).contiguous()
-        out = torch.empty((x.shape[0], sum(p.packed.out_features for p in self.parts)), dtype=torch.float32)
-        native_ops.tandem_native.linears_forward([p.packed for p in self.parts], x32.numpy(), out.numpy(),
-                                                 self.parts[0].pool)
+        out = _packed_forward(self.packed, self.width, self.parts[0].pool, x)
         if self.chain is not None and x.shape[0] <= WARM_ROWS:
             self.chain.after(self)
-        return out if x.dtype == torch.float32 else out.to(x.dtype)
+        return out
 
     def ranges(self) -> tuple[tuple[int, int], ...]:
         return tuple(r for p in self.parts for r in p.ranges())

@@ -209,8 +209,9 @@ void py_attend(py::array q, py::array k, py::array v, py::array mask, float scal
     a.k = static_cast<const float*>(k.data()), a.v = static_cast<const float*>(v.data());
     a.mask = static_cast<const bool*>(mask.data()), a.out = static_cast<float*>(out.mutable_data());
     a.scale = scale;
+    const KernelTable& kernels = table("");
     py::gil_scoped_release release;
-    pool.run([&] { attend(pool, a); });
+    pool.run([&] { attend(pool, kernels, a); });
 }
 
 }  // namespace

@@ -22,22 +22,6 @@ inline v4 load4(const float* p) {
 
 inline void store4(float* p, v4 v) { __builtin_memcpy(p, &v, sizeof v); }
 
-// sum a[i] b[i] in a fixed order: 16 lanes over the multiples of 16, the lanes added in order, then the rest.
-float dot(const float* a, const float* b, int n) {
-    v4 s0 = {}, s1 = {}, s2 = {}, s3 = {};
-    int i = 0;
-    for (; i + kLanes <= n; i += kLanes) {
-        s0 += load4(a + i) * load4(b + i);
-        s1 += load4(a + i + 4) * load4(b + i + 4);
-        s2 += load4(a + i + 8) * load4(b + i + 8);
-        s3 += load4(a + i + 12) * load4(b + i + 12);
-    }
-    const v4 s = (s0 + s1) + (s2 + s3);
-    float sum = (s[0] + s[1]) + (s[2] + s[3]);
-    for (; i < n; ++i) sum += a[i] * b[i];
-    return sum;
-}
-
 // y[i] += p x[i]
 void axpy(float p, const float* x, float* y, int n) {
     const v4 pv = {p, p, p, p};
@@ -46,27 +30,42 @@ void axpy(float p, const float* x, float* y, int n) {
     for (; i < n; ++i) y[i] += p * x[i];
 }
 
-// One token's one head: logits over the positions it sees, their softmax, the weighted values.
-void attend_head(const AttendArgs& a, int t, int h, float* logits) {
-    const int group = a.heads / a.kv_heads, g = h / group;
-    const float* q = a.q.base + t * a.q.row + h * a.q.head;
-    const bool* seen = a.mask + long(t) * a.positions;
-    const long k_step = long(a.kv_heads) * a.q_dim, v_step = long(a.kv_heads) * a.v_dim;
+// A head's logits [S] over its cache -> its probabilities: scaled, masked, softmax (the head's sink
+// joining it as one more logit with no value).
+void softmax_row(const AttendArgs& a, int h, const bool* seen, float* logits) {
     float top = a.sinks ? a.sinks[h] : -std::numeric_limits<float>::infinity();
     for (int s = 0; s < a.positions; ++s) {
-        logits[s] = seen[s] ? dot(q, a.k + s * k_step + g * a.q_dim, a.q_dim) * a.scale
-                            : -std::numeric_limits<float>::infinity();
+        logits[s] = seen[s] ? logits[s] * a.scale : -std::numeric_limits<float>::infinity();
         top = std::max(top, logits[s]);
     }
     float total = a.sinks ? std::exp(a.sinks[h] - top) : 0.f;
     for (int s = 0; s < a.positions; ++s) total += logits[s] = std::exp(logits[s] - top);
-    float* out = a.out + (long(t) * a.heads + h) * a.v_dim;
-    std::fill(out, out + a.v_dim, 0.f);
-    for (int s = 0; s < a.positions; ++s) {
-        const float p = logits[s] / total;
-        if (p == 0.f) continue;
-        axpy(p, a.v + s * v_step + g * a.v_dim, out, a.v_dim);
+    for (int s = 0; s < a.positions; ++s) logits[s] /= total;
+}
+
+// One token's query heads [h0, h1) of one key/value head's group: each cached key and value row is
+// read once for all of them. A head's arithmetic is the same whichever heads share the call.
+// logits: [h1 - h0, S] scratch.
+void attend_heads(const KernelTable& k, const AttendArgs& a, int t, int h0, int h1, float* logits) {
+    const int n = h1 - h0, S = a.positions, g = h0 / (a.heads / a.kv_heads);
+    const long k_step = long(a.kv_heads) * a.q_dim, v_step = long(a.kv_heads) * a.v_dim;
+    const float* q = a.q.base + t * a.q.row + h0 * a.q.head;
+    const float* keys = a.k + long(g) * a.q_dim;
+    if (a.q.head == a.q_dim) {
+        k.dot_rows(q, n, a.q_dim, keys, k_step, S, logits, S);
+    } else {
+        for (int j = 0; j < n; ++j) k.dot_rows(q + j * a.q.head, 1, a.q_dim, keys, k_step, S, logits + long(j) * S, S);
     }
+    const bool* seen = a.mask + long(t) * S;
+    for (int j = 0; j < n; ++j) softmax_row(a, h0 + j, seen, logits + long(j) * S);
+    float* out = a.out + (long(t) * a.heads + h0) * a.v_dim;
+    std::fill(out, out + long(n) * a.v_dim, 0.f);
+    const float* values = a.v + long(g) * a.v_dim;
+    for (int s = 0; s < S; ++s)
+        for (int j = 0; j < n; ++j) {
+            const float p = logits[long(j) * S + s];
+            if (p != 0.f) axpy(p, values + s * v_step, out + long(j) * a.v_dim, a.v_dim);
+        }
 }
 
 }  // namespace
@@ -120,7 +119,7 @@ void linear_f32(ThreadPool& pool, const KernelTable& k, const float* x, int rows
     constexpr int kOutputs = 16;  // output features a task computes, for every row
     pool.parallel_for((out + kOutputs - 1) / kOutputs, [&](int task) {
         const int o0 = task * kOutputs, o1 = std::min(out, o0 + kOutputs);
-        k.dot_rows(x, rows, in, w + long(o0) * in, o1 - o0, y + o0, out);
+        k.dot_rows(x, rows, in, w + long(o0) * in, in, o1 - o0, y + o0, out);
         if (b)
             for (int m = 0; m < rows; ++m)
                 for (int o = o0; o < o1; ++o) y[long(m) * out + o] += b[o];
@@ -148,11 +147,17 @@ void route_softmax_topk(const float* logits, int rows, int experts, int k, bool 
     }
 }
 
-void attend(ThreadPool& pool, const AttendArgs& a) {
-    pool.parallel_for(a.heads, [&](int h) {
+void attend(ThreadPool& pool, const KernelTable& k, const AttendArgs& a) {
+    // a task: one token's heads of one group, or of part of it where there are fewer groups than threads
+    const int group = a.heads / a.kv_heads, groups = a.tokens * a.kv_heads;
+    const int split = std::min(group, (2 * pool.size() + groups - 1) / groups);  // parts a group is cut into
+    const int per = (group + split - 1) / split, parts = (group + per - 1) / per;
+    pool.parallel_for(groups * parts, [&](int task) {
+        const int part = task % parts, t = task / parts / a.kv_heads, g = task / parts % a.kv_heads;
+        const int h0 = g * group + part * per, h1 = std::min((g + 1) * group, h0 + per);
         thread_local std::vector<float> logits;
-        logits.resize(a.positions);
-        for (int t = 0; t < a.tokens; ++t) attend_head(a, t, h, logits.data());
+        logits.resize(size_t(h1 - h0) * a.positions);
+        attend_heads(k, a, t, h0, h1, logits.data());
     });
 }
 

@@ -53,9 +53,10 @@ using SiluMulFn = void (*)(const float* gate_up, int intermediate, float* h);
 // u = gate_up[I + j] (format.h's Activation::SWIGLU_OAI).
 using SwigluOaiFn = void (*)(const float* gate_up, int intermediate, float alpha, float limit, float* h);
 
-// y[m * ldy + o] = x[m] . w[o] for m < rows, o < outs, float32 (x [rows][in], w [outs][in]): each value
-// summed in one fixed order whatever the rows around it (an exact small linear: a router's).
-using DotRowsFn = void (*)(const float* x, int rows, int in, const float* w, int outs, float* y, int ldy);
+// y[m * ldy + o] = x[m] . w[o] for m < rows, o < outs, float32 (x [rows][in], w's rows ldw apart): each
+// value summed in one fixed order whatever the rows around it (an exact small linear: a router's; a few
+// query heads against their cached keys).
+using DotRowsFn = void (*)(const float* x, int rows, int in, const float* w, long ldw, int outs, float* y, int ldy);
 
 struct KernelTable {
     const char* name;

@@ -101,10 +101,10 @@ void swiglu_oai(const float* gate_up, int intermediate, float alpha, float limit
     }
 }
 
-void dot_rows(const float* x, int rows, int in, const float* w, int outs, float* y, int ldy) {
+void dot_rows(const float* x, int rows, int in, const float* w, long ldw, int outs, float* y, int ldy) {
     for (int m = 0; m < rows; ++m)
         for (int o = 0; o < outs; ++o) {
-            const float *xm = x + long(m) * in, *wo = w + long(o) * in;
+            const float *xm = x + long(m) * in, *wo = w + o * ldw;
             float sum = 0.f;
             for (int i = 0; i < in; ++i) sum += xm[i] * wo[i];
             y[long(m) * ldy + o] = sum;

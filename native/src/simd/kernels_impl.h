@@ -503,8 +503,8 @@ inline float dot_f32(const float* x, const float* w, int in) {
 }
 
 // Four rows share each weight load; a row's arithmetic is dot_f32's either way.
-void dot_rows(const float* x, int rows, int in, const float* w, int outs, float* y, int ldy) {
-    for (int o = 0; o < outs; ++o, w += in) {
+void dot_rows(const float* x, int rows, int in, const float* w, long ldw, int outs, float* y, int ldy) {
+    for (int o = 0; o < outs; ++o, w += ldw) {
         int m = 0;
         for (; m + 4 <= rows; m += 4) {
             const float *x0 = x + long(m) * in, *x1 = x0 + in, *x2 = x1 + in, *x3 = x2 + in;

@@ -86,11 +86,14 @@ def grouped_masks(t, s, gen):
     return causal, window, scattered
 
 
-@pytest.mark.parametrize("heads,kv_heads,t,s", [(16, 4, 1, 40), (8, 8, 3, 17), (6, 2, 16, 300)])
-def test_native_attention_matches_torchs(gen, heads, kv_heads, t, s):
+@pytest.mark.parametrize("heads,kv_heads,t,s,head_stride", [(16, 4, 1, 40, 64), (8, 8, 3, 17, 64), (6, 2, 16, 300, 64),
+                                                             (8, 1, 1, 33, 64), (4, 2, 2, 20, 72)])
+def test_native_attention_matches_torchs(gen, heads, kv_heads, t, s, head_stride):
+    """Query heads side by side in a projection's output (or head_stride apart); one key/value head's
+    group split across the threads where there are fewer groups than threads."""
     pool = shared_pool(2)
-    fused = torch.randn(t, (heads + 1) * 64, generator=gen)
-    q = fused[:, :heads * 64].view(t, heads, 64)
+    fused = torch.randn(t, (heads + 1) * head_stride, generator=gen)
+    q = fused[:, :heads * head_stride].view(t, heads, head_stride)[..., :64]
     k, v = torch.randn(s, kv_heads, 64, generator=gen), torch.randn(s, kv_heads, 48, generator=gen)
     sinks = torch.randn(heads, generator=gen)
     for mask in grouped_masks(t, s, gen):
@@ -101,6 +104,15 @@ def test_native_attention_matches_torchs(gen, heads, kv_heads, t, s):
         want = attention._attend_with_sinks(q, k, v, mask, 0.125, sinks)  # no pool: torch's
         got = attention._attend_with_sinks(q, k, v, mask, 0.125, sinks, pool)
         assert (got - want).abs().max().item() <= 1e-5
+
+
+def test_native_attention_gives_a_head_the_same_bits_whichever_heads_share_its_task(gen):
+    """A group's heads go to one task or are split across tasks by the pool's size and the token count."""
+    q, k, v = torch.randn(3, 8, 64, generator=gen), torch.randn(50, 1, 64, generator=gen), torch.randn(50, 1, 64, generator=gen)
+    mask = torch.ones(3, 50, dtype=torch.bool)
+    outs = [attention._attend(q[:n], k, v, mask[:n], 0.125, pool) for n in (1, 3)
+            for pool in (tandem_native.ThreadPool(1), tandem_native.ThreadPool(4))]
+    assert all(torch.equal(o[:1], outs[0]) for o in outs)
 
 
 def test_attention_stays_in_torch_where_native_does_not_apply(gen):

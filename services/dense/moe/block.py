@@ -30,8 +30,9 @@ class MoeBlock:
         self.shared_gate = w.linear(f"{prefix}.shared_expert_gate", 1, d) if moe.shared_gated else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [T, D] -> [T, D]
+        logits = self.gate(x.float())  # [T, E], on both of the pool's threads: expect() parks its helpers
         self.experts.expect(self.layer)
-        ids, weights = route(self.router, self.gate(x.float()), self.bias)
+        ids, weights = route(self.router, logits, self.bias)
         handle = self.experts.submit(self.layer, x, ids, weights)
         shared = self._shared(x)
         routed = self.experts.wait(handle)

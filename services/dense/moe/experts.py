@@ -24,8 +24,8 @@ class ExpertBackend(ABC):
         """The [T, D] result of a submitted call."""
 
     def expect(self, layer: int) -> None:
-        """A hint that a call for layer follows shortly (its routing starts now): a backend may get
-        its threads ready. Never fails."""
+        """A hint that a call for layer follows shortly (its router logits are in, its routing starts
+        now): a backend may get its threads ready. Never fails."""
 
     def forward(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         return self.wait(self.submit(layer, x, ids, weights))

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "binding_util.h"
+#include "decode_layer.h"
 #include "linear.h"
 #include "ops.h"
 
@@ -214,6 +215,141 @@ void py_attend(py::array q, py::array k, py::array v, py::array mask, float scal
     pool.run([&] { attend(pool, kernels, a); });
 }
 
+
+const float* optional_floats(const py::object& obj, const char* name, py::ssize_t size, std::vector<py::object>& keep) {
+    if (obj.is_none()) return nullptr;
+    py::array a = obj.cast<py::array>();
+    check_array<float>(a, name, "float32", {size});
+    keep.push_back(a);
+    return static_cast<const float*>(a.data());
+}
+
+std::vector<const PackedLinear*> linears_of(const std::vector<const PackedLinear*>& parts, const char* name, int in,
+                                            int width) {
+    int sum = 0;
+    for (const PackedLinear* l : parts) {
+        if (l->in() != in)
+            throw std::invalid_argument(std::string(name) + ": in_features " + std::to_string(l->in()) + ", expected " +
+                                        std::to_string(in));
+        sum += l->out();
+    }
+    if (parts.empty() || sum != width)
+        throw std::invalid_argument(std::string(name) + ": " + std::to_string(sum) + " outputs, expected " +
+                                    std::to_string(width));
+    return parts;
+}
+
+struct PyDecodeLayer {  // a tandem_native.DecodeLayer: the layer's arrays and linears, kept alive
+    DecodeLayer layer;
+    std::vector<py::object> keep;
+};
+
+std::unique_ptr<PyDecodeLayer> make_decode_layer(py::array input_norm, py::array post_norm, float eps,
+                                                 const std::vector<const PackedLinear*>& qkv,
+                                                 const std::vector<const PackedLinear*>& o, int heads, int kv_heads,
+                                                 int head_dim, py::object q_norm, py::object k_norm, bool interleaved,
+                                                 float scale, py::object sinks, py::object gate, py::object gate_bias,
+                                                 py::list linears) {
+    if (heads < 1 || kv_heads < 1 || heads % kv_heads || head_dim < 2)
+        throw std::invalid_argument("heads, kv_heads, head_dim: " + std::to_string(kv_heads) + " key heads must divide " +
+                                    std::to_string(heads) + " query heads of at least 2 dims");
+    if (!(eps >= 0.f)) throw std::invalid_argument("eps: must be >= 0");
+    auto p = std::make_unique<PyDecodeLayer>();
+    DecodeLayer& L = p->layer;
+    check_array<float>(input_norm, "input_norm", "float32", {-1});
+    L.hidden = int(input_norm.shape(0));
+    check_array<float>(post_norm, "post_norm", "float32", {L.hidden});
+    L.input_norm = static_cast<const float*>(input_norm.data()), L.post_norm = static_cast<const float*>(post_norm.data());
+    L.eps = eps, L.heads = heads, L.kv_heads = kv_heads, L.head_dim = head_dim, L.interleaved = interleaved;
+    L.scale = scale;
+    L.qkv = linears_of(qkv, "qkv", L.hidden, (heads + 2 * kv_heads) * head_dim);
+    L.o = linears_of(o, "o", heads * head_dim, L.hidden);
+    p->keep = {input_norm, post_norm, linears};
+    L.q_norm = optional_floats(q_norm, "q_norm", head_dim, p->keep);
+    L.k_norm = optional_floats(k_norm, "k_norm", head_dim, p->keep);
+    L.sinks = optional_floats(sinks, "sinks", heads, p->keep);
+    L.gate = L.gate_bias = nullptr, L.experts = 0;
+    if (!gate.is_none()) {
+        py::array g = gate.cast<py::array>();
+        check_array<float>(g, "gate", "float32", {-1, L.hidden});
+        L.experts = int(g.shape(0));
+        L.gate = static_cast<const float*>(g.data());
+        p->keep.push_back(g);
+        L.gate_bias = optional_floats(gate_bias, "gate_bias", L.experts, p->keep);
+    } else if (!gate_bias.is_none()) {
+        throw std::invalid_argument("gate_bias: given without a gate");
+    }
+    return p;
+}
+
+// (row0, rows, k, v, first, start, mask): k and v a layer cache [N, Hkv, Dh] whose sequence begins at
+// row `first`, its step's rows going at first + start.
+DecodeSequence decode_sequence(const DecodeLayer& L, const py::tuple& t, int tokens) {
+    if (t.size() != 7) throw std::invalid_argument("sequences: each is (row0, rows, k, v, first, start, mask)");
+    DecodeSequence s{};
+    s.row0 = t[0].cast<int>(), s.rows = t[1].cast<int>();
+    const int first = t[4].cast<int>();
+    s.start = t[5].cast<int>();
+    if (s.row0 < 0 || s.rows < 1 || s.row0 + s.rows > tokens || first < 0 || s.start < 0)
+        throw std::invalid_argument("sequences: rows [" + std::to_string(s.row0) + ", " + std::to_string(s.row0 + s.rows) +
+                                    ") at " + std::to_string(first) + " + " + std::to_string(s.start) + " out of range");
+    const py::ssize_t end = py::ssize_t(first) + s.start + s.rows;
+    py::array k = t[2].cast<py::array>(), v = t[3].cast<py::array>(), mask = t[6].cast<py::array>();
+    check_array<float>(k, "k", "float32", {-1, L.kv_heads, L.head_dim});
+    check_array<float>(v, "v", "float32", {k.shape(0), L.kv_heads, L.head_dim});
+    if (end > k.shape(0)) throw std::invalid_argument("k: " + std::to_string(k.shape(0)) + " cache rows, " +
+                                                      std::to_string(end) + " needed");
+    if (!k.writeable() || !v.writeable()) throw std::invalid_argument("k, v: must be writable");
+    check_array<bool>(mask, "mask", "bool", {s.rows, s.start + s.rows});
+    const size_t offset = size_t(first) * L.kv_heads * L.head_dim;
+    s.k = static_cast<float*>(k.mutable_data()) + offset, s.v = static_cast<float*>(v.mutable_data()) + offset;
+    s.mask = static_cast<const bool*>(mask.data());
+    return s;
+}
+
+void py_decode_layer(const PyDecodeLayer& p, py::array h, py::object delta_obj, py::array cos, py::array sin,
+                     py::list sequences, py::array x, py::object logits_obj, ThreadPool& pool) {
+    const DecodeLayer& L = p.layer;
+    check_array<float>(h, "h", "float32", {-1, L.hidden});
+    const int T = int(h.shape(0));
+    if (T < 1 || !h.writeable()) throw std::invalid_argument("h: must be writable, with at least one row");
+    py::array delta;
+    if (!delta_obj.is_none()) {
+        delta = delta_obj.cast<py::array>();
+        check_array<float>(delta, "delta", "float32", {T, L.hidden});
+    }
+    check_array<float>(cos, "cos", "float32", {T, -1});
+    const int half = int(cos.shape(1));
+    check_array<float>(sin, "sin", "float32", {T, half});
+    if (half < 1 || 2 * half > L.head_dim)
+        throw std::invalid_argument("cos: " + std::to_string(half) + " angles do not fit heads of " + std::to_string(L.head_dim));
+    check_array<float>(x, "x", "float32", {T, L.hidden});
+    if (!x.writeable() || x.data() == h.data()) throw std::invalid_argument("x: must be writable and not h");
+    py::array logits;
+    if (L.gate) {
+        if (logits_obj.is_none()) throw std::invalid_argument("logits: the layer has a router");
+        logits = logits_obj.cast<py::array>();
+        check_array<float>(logits, "logits", "float32", {T, L.experts});
+        if (!logits.writeable()) throw std::invalid_argument("logits: must be writable");
+    }
+    std::vector<DecodeSequence> seqs;
+    int covered = 0;
+    for (const py::handle& item : sequences) {
+        seqs.push_back(decode_sequence(L, item.cast<py::tuple>(), T));
+        if (seqs.back().row0 != covered) throw std::invalid_argument("sequences: rows must follow each other from 0");
+        covered += seqs.back().rows;
+    }
+    if (covered != T) throw std::invalid_argument("sequences: cover " + std::to_string(covered) + " of " + std::to_string(T) + " rows");
+    float* hp = static_cast<float*>(h.mutable_data());
+    const float* dp = delta_obj.is_none() ? nullptr : static_cast<const float*>(delta.data());
+    const float *cp = static_cast<const float*>(cos.data()), *sp = static_cast<const float*>(sin.data());
+    float* xp = static_cast<float*>(x.mutable_data());
+    float* lp = L.gate ? static_cast<float*>(logits.mutable_data()) : nullptr;
+    const KernelTable& kernels = table("");
+    py::gil_scoped_release release;
+    decode_layer(pool, kernels, L, hp, dp, T, cp, sp, half, seqs, xp, lp);
+}
+
 }  // namespace
 
 void register_linear(py::module_& m) {
@@ -267,6 +403,20 @@ void register_linear(py::module_& m) {
         }, "The float32 weight [O, I] the packed values stand for")
         .def("forward", &linear_forward, py::arg("x"), py::arg("out"), py::arg("pool"), py::arg("isa") = "",
              "out [T, O] = x [T, I] W^T (+ b), written in place");
+    py::class_<PyDecodeLayer>(m, "DecodeLayer",
+                              "A decoder layer's dense side for a few new tokens in one call (grouped-query attention)")
+        .def(py::init(&make_decode_layer), py::arg("input_norm"), py::arg("post_norm"), py::arg("eps"), py::arg("qkv"),
+             py::arg("o"), py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"), py::arg("q_norm"),
+             py::arg("k_norm"), py::arg("interleaved"), py::arg("scale"), py::arg("sinks"), py::arg("gate"),
+             py::arg("gate_bias"), py::arg("linears"),
+             "norms [D], the qkv and o linears (lists of Linear; `linears` keeps them alive), per-head q and k "
+             "norms [Dh] or None, sinks [H] or None, the router [E, D] and its bias [E] or None")
+        .def("forward", &py_decode_layer, py::arg("h"), py::arg("delta"), py::arg("cos"), py::arg("sin"),
+             py::arg("sequences"), py::arg("x"), py::arg("logits"), py::arg("pool"),
+             "h [T, D] += delta; its normed q, k, v (turned by cos, sin [T, R/2]); each sequence's (row0, rows, k, v, "
+             "first, start, mask) k and v rows into its cache [N, Hkv, Dh] at first + start and attention over "
+             "[first, first + start + rows) where mask [rows, start + rows]; h += o(attention); x [T, D] = its post "
+             "norm; logits [T, E] = the router's products of x (None where the layer has none)");
     m.def("linears_forward", &linears_forward, py::arg("linears"), py::arg("x"), py::arg("out"), py::arg("pool"),
           py::arg("isa") = "", "out [T, sum O] = each linear's x [T, I] W^T (+ b) side by side, in one call");
 }

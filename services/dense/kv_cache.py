@@ -47,6 +47,7 @@ class Segment:
 class LayerKV:
     def __init__(self, shapes: tuple[tuple[int, ...], ...], capacity: int, dtype: torch.dtype, device: torch.device):
         self.buffers = tuple(torch.empty((capacity, *s), dtype=dtype, device=device) for s in shapes)
+        self.arrays = _arrays(self.buffers)
         self.cache: SequenceKV | None = None
 
     def update(self, *new: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -55,6 +56,22 @@ class LayerKV:
         for buf, x in zip(self.buffers, new):
             buf[start:end] = x
         return tuple(buf[:end] for buf in self.buffers)
+
+    def span(self) -> tuple[tuple, int, int] | None:
+        """Where a native call writes the step's entries and reads the cache: (the buffers as float32
+        arrays [capacity, ...], the sequence's first row in them, the step's offset from it); None
+        where the buffers are not float32 on the CPU."""
+        if self.arrays is None:
+            return None
+        return self.arrays, 0, self.cache.start
+
+
+def _arrays(buffers: tuple[torch.Tensor, ...]) -> tuple | None:
+    """float32 CPU buffers as numpy arrays over the same memory (None for others): made once, as a
+    decode step's native layer call passes them every layer."""
+    if any(b.dtype != torch.float32 or b.device.type != "cpu" for b in buffers):
+        return None
+    return tuple(b.numpy() for b in buffers)
 
 
 class SequenceKV:
@@ -98,6 +115,7 @@ class BlockPool:
             tuple(torch.zeros((num_blocks * block_size, *s), dtype=dtype, device=device) for s in shapes)
             for _ in range(config.num_layers)
         ]
+        self.arrays = [_arrays(layer) for layer in self.layers]
         self._free = list(range(num_blocks - 1, -1, -1))  # holding nothing reusable
         self._refs = [0] * num_blocks
         self._cached: dict[int, int] = {}  # key -> block
@@ -176,7 +194,7 @@ class BlockPool:
 
 class PagedLayer:
     def __init__(self, seq: PagedSequence, layer: int):
-        self.seq, self.buffers = seq, seq.pool.layers[layer]
+        self.seq, self.layer, self.buffers = seq, layer, seq.pool.layers[layer]
 
     def update(self, *new: torch.Tensor) -> tuple[torch.Tensor, ...]:
         seq, t = self.seq, new[0].shape[0]
@@ -189,6 +207,14 @@ class PagedLayer:
         for buf, x in zip(self.buffers, new):
             buf[step] = x
         return tuple(buf.index_select(0, slots) for buf in self.buffers)
+
+    def span(self) -> tuple[tuple, int, int] | None:
+        """As LayerKV.span, while the sequence's blocks are one run in the pool (else None)."""
+        seq = self.seq
+        arrays = seq.pool.arrays[self.layer]
+        if seq.base is None or arrays is None:
+            return None
+        return arrays, seq.base, seq.start
 
 
 class PagedSequence:

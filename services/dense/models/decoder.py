@@ -18,6 +18,7 @@ from services.dense.layers.attention import make_attention
 from services.dense.layers.mlp import GatedMLP
 from services.dense.layers.norm import add_rms_norm
 from services.dense.layers.rope import Rotary
+from services.dense.models.native_layer import NativeLayer
 from services.dense.moe.block import MoeBlock
 from services.dense.moe.experts import ExpertBackend
 from services.dense.pool import torch_threads
@@ -43,11 +44,16 @@ class DecoderLayer:
             self.mlp = MoeBlock(cfg, w, layer, experts)
         else:
             self.mlp = GatedMLP(w, f"{prefix}.mlp", d, cfg.intermediate_size, cfg.mlp_bias)
+        self.native = NativeLayer.of(self)  # the attention half of a decode step in one call, where it applies
 
     def __call__(self, h: torch.Tensor, delta: torch.Tensor | None, cos_sin,
                  segments: list[Segment]) -> tuple[torch.Tensor, torch.Tensor]:
         """The residual stream h [T, D] with the block output delta [T, D] not yet added into it (None
         at the first layer) -> the same after this layer: each add goes with the norm after it."""
+        fused = self.native(h, delta, cos_sin, segments) if self.native is not None else None
+        if fused is not None:
+            x, logits = fused
+            return h, self.mlp(x) if logits is None else self.mlp(x, logits)
         h, x = add_rms_norm(h, delta, self.input_norm, self.eps)
         h, x = add_rms_norm(h, self.attention(x, cos_sin, segments), self.post_attention_norm, self.eps)
         return h, self.mlp(x)
@@ -100,8 +106,9 @@ class MoeDecoder:
         for c in chunks:
             c.cache.begin(len(c.tokens))
             positions.append(torch.arange(c.cache.start, c.cache.start + len(c.tokens), device=self.device))
-        cos_sin = self.rotary.cos_sin(torch.cat(positions), self.dtype)
-        masks = {w: [self._mask(p, c.cache.start + len(c.tokens), w) for p, c in zip(positions, chunks)] for w in self.windows}
+        ends = [c.cache.start + len(c.tokens) for c in chunks]
+        cos_sin = self.rotary.cos_sin(torch.cat(positions), max(ends), self.dtype)
+        masks = {w: [self._mask(p, end, w) for p, end in zip(positions, ends)] for w in self.windows}
         rows, start = [], 0
         for c in chunks:
             rows.append(slice(start, start + len(c.tokens)))
@@ -112,8 +119,10 @@ class MoeDecoder:
             h, delta = layer(h, delta, cos_sin, segments)
         for c in chunks:
             c.cache.commit(len(c.tokens))
-        keep = torch.tensor(logit_rows, dtype=torch.long, device=self.device)
-        _, x = add_rms_norm(h[keep], None if delta is None else delta[keep], self.norm, self.cfg.rms_norm_eps)
+        if logit_rows != list(range(h.shape[0])):  # a decode step's rows are all kept: no gather
+            keep = torch.tensor(logit_rows, dtype=torch.long, device=self.device)
+            h, delta = h[keep], None if delta is None else delta[keep]
+        _, x = add_rms_norm(h, delta, self.norm, self.cfg.rms_norm_eps)
         return self.lm_head(x).float()
 
     def _mask(self, positions: torch.Tensor, length: int, window: int | None) -> torch.Tensor:

@@ -35,7 +35,7 @@ def test_native_rope_gives_torchs_bits_on_views_and_in_place(monkeypatch, gen, i
     t, heads = 5, 6
     fused = torch.randn(t, (heads + 2) * head_dim, generator=gen)  # a projection's output, q heads then others
     x = fused[:, :heads * head_dim].view(t, heads, head_dim)  # a strided view, as GQAttention's q
-    cos, sin = rotary.cos_sin(torch.arange(7, 7 + t), torch.float32)
+    cos, sin = rotary.cos_sin(torch.arange(7, 7 + t), 7 + t, torch.float32)
     want = torch_rotary(monkeypatch, rotary, x, cos, sin)
     assert torch.equal(rotary.apply(x, cos, sin), want)
     rest = fused[:, heads * head_dim:].clone()
@@ -54,7 +54,7 @@ def test_a_per_head_norm_in_the_rope_call_gives_the_norm_then_rope_bits(monkeypa
     weight = torch.rand(head_dim, generator=gen) + 0.5
     fused = torch.randn(t, (heads + 1) * head_dim, generator=gen) * 3
     x = fused[:, :heads * head_dim].view(t, heads, head_dim)
-    cos, sin = rotary.cos_sin(torch.arange(t), torch.float32)
+    cos, sin = rotary.cos_sin(torch.arange(t), t, torch.float32)
     want = torch_rotary(monkeypatch, rotary, norm.rms_norm(x, weight, 1e-6), cos, sin)
     with monkeypatch.context() as m:
         m.setattr(rope, "_native", None)

@@ -35,12 +35,14 @@ void decode_layer(ThreadPool& pool, const KernelTable& k, const DecodeLayer& L, 
         for (const DecodeSequence& s : seqs) {
             for (int r = 0; r < s.rows; ++r) {
                 const float* row = qkv.data() + size_t(s.row0 + r) * width + qw;
-                std::copy(row, row + kw, s.k + size_t(s.start + r) * kw);
-                std::copy(row + kw, row + 2 * kw, s.v + size_t(s.start + r) * kw);
+                const size_t at = size_t(s.slots ? s.slots[s.start + r] : s.start + r) * kw;
+                std::copy(row, row + kw, s.k + at);
+                std::copy(row + kw, row + 2 * kw, s.v + at);
             }
             AttendArgs a{};
             a.q = {q.base + long(s.row0) * width, width, L.head_dim};
-            a.k = s.k, a.v = s.v, a.mask = s.mask, a.sinks = L.sinks, a.out = attn.data() + size_t(s.row0) * qw;
+            a.k = s.k, a.v = s.v, a.slots = s.slots, a.mask = s.mask, a.sinks = L.sinks;
+            a.out = attn.data() + size_t(s.row0) * qw;
             a.tokens = s.rows, a.heads = L.heads, a.kv_heads = L.kv_heads, a.q_dim = a.v_dim = L.head_dim;
             a.positions = s.start + s.rows, a.scale = L.scale;
             attend(pool, k, a);

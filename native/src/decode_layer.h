@@ -31,9 +31,10 @@ struct DecodeLayer {
 // One sequence's rows of the step and its layer cache.
 struct DecodeSequence {
     int row0, rows;
-    float *k, *v;       // [S, Hkv, Dh] from the sequence's first position; the rows go at [start, start + rows)
+    float *k, *v;            // [S, Hkv, Dh] from the sequence's first position; the rows go at [start, start + rows)
+    const int64_t* slots;    // [S] or null: position s's row of k and v (a paged cache's block table)
     int start;
-    const bool* mask;   // [rows, S]
+    const bool* mask;        // [rows, S]
 };
 
 // h [T, D] += delta (none at the first layer); q, k, v of rms_norm(h) by the qkv linears, q and k

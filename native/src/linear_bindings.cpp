@@ -282,10 +282,11 @@ std::unique_ptr<PyDecodeLayer> make_decode_layer(py::array input_norm, py::array
     return p;
 }
 
-// (row0, rows, k, v, first, start, mask): k and v a layer cache [N, Hkv, Dh] whose sequence begins at
-// row `first`, its step's rows going at first + start.
+// (row0, rows, k, v, first, start, mask, slots): k and v a layer cache [N, Hkv, Dh] whose sequence
+// begins at row `first`, its step's rows going at first + start; or, with slots [>= start + rows]
+// (first 0), position s at row slots[s] (a paged cache's block table).
 DecodeSequence decode_sequence(const DecodeLayer& L, const py::tuple& t, int tokens) {
-    if (t.size() != 7) throw std::invalid_argument("sequences: each is (row0, rows, k, v, first, start, mask)");
+    if (t.size() != 8) throw std::invalid_argument("sequences: each is (row0, rows, k, v, first, start, mask, slots)");
     DecodeSequence s{};
     s.row0 = t[0].cast<int>(), s.rows = t[1].cast<int>();
     const int first = t[4].cast<int>();
@@ -304,6 +305,19 @@ DecodeSequence decode_sequence(const DecodeLayer& L, const py::tuple& t, int tok
     const size_t offset = size_t(first) * L.kv_heads * L.head_dim;
     s.k = static_cast<float*>(k.mutable_data()) + offset, s.v = static_cast<float*>(v.mutable_data()) + offset;
     s.mask = static_cast<const bool*>(mask.data());
+    s.slots = nullptr;
+    if (!t[7].is_none()) {
+        py::array slots = t[7].cast<py::array>();
+        check_array<int64_t>(slots, "slots", "int64", {-1});
+        if (first != 0 || slots.shape(0) < s.start + s.rows)
+            throw std::invalid_argument("slots: " + std::to_string(slots.shape(0)) + " of them, " +
+                                        std::to_string(s.start + s.rows) + " needed, with first 0");
+        s.slots = static_cast<const int64_t*>(slots.data());
+        for (int i = 0; i < s.start + s.rows; ++i)
+            if (s.slots[i] < 0 || s.slots[i] >= k.shape(0))
+                throw std::invalid_argument("slots: " + std::to_string(s.slots[i]) + " out of the cache's " +
+                                            std::to_string(k.shape(0)) + " rows");
+    }
     return s;
 }
 
@@ -414,9 +428,10 @@ void register_linear(py::module_& m) {
         .def("forward", &py_decode_layer, py::arg("h"), py::arg("delta"), py::arg("cos"), py::arg("sin"),
              py::arg("sequences"), py::arg("x"), py::arg("logits"), py::arg("pool"),
              "h [T, D] += delta; its normed q, k, v (turned by cos, sin [T, R/2]); each sequence's (row0, rows, k, v, "
-             "first, start, mask) k and v rows into its cache [N, Hkv, Dh] at first + start and attention over "
-             "[first, first + start + rows) where mask [rows, start + rows]; h += o(attention); x [T, D] = its post "
-             "norm; logits [T, E] = the router's products of x (None where the layer has none)");
+             "first, start, mask, slots) k and v rows into its cache [N, Hkv, Dh] at first + start and attention "
+             "over [first, first + start + rows) where mask [rows, start + rows] (with slots [S] int64, position s "
+             "at row slots[s]); h += o(attention); x [T, D] = its post norm; logits [T, E] = the router's products "
+             "of x (None where the layer has none)");
     m.def("linears_forward", &linears_forward, py::arg("linears"), py::arg("x"), py::arg("out"), py::arg("pool"),
           py::arg("isa") = "", "out [T, sum O] = each linear's x [T, I] W^T (+ b) side by side, in one call");
 }

@@ -43,6 +43,16 @@ void softmax_row(const AttendArgs& a, int h, const bool* seen, float* logits) {
     for (int s = 0; s < a.positions; ++s) logits[s] /= total;
 }
 
+// Position s's row of the cached keys and values.
+inline long row_of(const AttendArgs& a, int s) { return a.slots ? long(a.slots[s]) : long(s); }
+
+// The end of the run of positions from s0 whose rows follow each other (a paged cache's block).
+inline int run_end(const int64_t* slots, int s0, int S) {
+    int s1 = s0 + 1;
+    while (s1 < S && slots[s1] == slots[s1 - 1] + 1) ++s1;
+    return s1;
+}
+
 // One token's query heads [h0, h1) of one key/value head's group: each cached key and value row is
 // read once for all of them. A head's arithmetic is the same whichever heads share the call.
 // logits: [h1 - h0, S] scratch.
@@ -51,10 +61,15 @@ void attend_heads(const KernelTable& k, const AttendArgs& a, int t, int h0, int 
     const long k_step = long(a.kv_heads) * a.q_dim, v_step = long(a.kv_heads) * a.v_dim;
     const float* q = a.q.base + t * a.q.row + h0 * a.q.head;
     const float* keys = a.k + long(g) * a.q_dim;
-    if (a.q.head == a.q_dim) {
-        k.dot_rows(q, n, a.q_dim, keys, k_step, S, logits, S);
-    } else {
-        for (int j = 0; j < n; ++j) k.dot_rows(q + j * a.q.head, 1, a.q_dim, keys, k_step, S, logits + long(j) * S, S);
+    for (int s0 = 0, s1; s0 < S; s0 = s1) {  // runs of positions whose rows follow each other
+        s1 = a.slots ? run_end(a.slots, s0, S) : S;
+        const float* run = keys + row_of(a, s0) * k_step;
+        if (a.q.head == a.q_dim) {
+            k.dot_rows(q, n, a.q_dim, run, k_step, s1 - s0, logits + s0, S);
+        } else {
+            for (int j = 0; j < n; ++j)
+                k.dot_rows(q + j * a.q.head, 1, a.q_dim, run, k_step, s1 - s0, logits + long(j) * S + s0, S);
+        }
     }
     const bool* seen = a.mask + long(t) * S;
     for (int j = 0; j < n; ++j) softmax_row(a, h0 + j, seen, logits + long(j) * S);
@@ -64,7 +79,7 @@ void attend_heads(const KernelTable& k, const AttendArgs& a, int t, int h0, int 
     for (int s = 0; s < S; ++s)
         for (int j = 0; j < n; ++j) {
             const float p = logits[long(j) * S + s];
-            if (p != 0.f) axpy(p, values + s * v_step, out + long(j) * a.v_dim, a.v_dim);
+            if (p != 0.f) axpy(p, values + row_of(a, s) * v_step, out + long(j) * a.v_dim, a.v_dim);
         }
 }
 

@@ -47,6 +47,7 @@ void route_softmax_topk(const float* logits, int rows, int experts, int k, bool 
 struct AttendArgs {
     HeadView q;                 // [T, H, Dq]
     const float *k, *v;         // [S, Hkv, Dq], [S, Hkv, Dv], contiguous
+    const int64_t* slots;       // [S] or null: position s's row of k and v (a paged cache's block table)
     const bool* mask;           // [T, S]: which cached positions each new token sees
     const float* sinks;         // [H] or null: a learned logit per head that joins the softmax with no value
     float* out;                 // [T, H * Dv]

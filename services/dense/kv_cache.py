@@ -57,13 +57,14 @@ class LayerKV:
             buf[start:end] = x
         return tuple(buf[:end] for buf in self.buffers)
 
-    def span(self) -> tuple[tuple, int, int] | None:
+    def span(self) -> tuple[tuple, int, int, None] | None:
         """Where a native call writes the step's entries and reads the cache: (the buffers as float32
-        arrays [capacity, ...], the sequence's first row in them, the step's offset from it); None
-        where the buffers are not float32 on the CPU."""
+        arrays [capacity, ...], the sequence's first row in them, the step's offset from it, the rows
+        of its positions where they are not first + s: None here); None where the buffers are not
+        float32 on the CPU."""
         if self.arrays is None:
             return None
-        return self.arrays, 0, self.cache.start
+        return self.arrays, 0, self.cache.start, None
 
 
 def _arrays(buffers: tuple[torch.Tensor, ...]) -> tuple | None:
@@ -208,13 +209,16 @@ class PagedLayer:
             buf[step] = x
         return tuple(buf.index_select(0, slots) for buf in self.buffers)
 
-    def span(self) -> tuple[tuple, int, int] | None:
-        """As LayerKV.span, while the sequence's blocks are one run in the pool (else None)."""
+    def span(self) -> tuple[tuple, int, int, object] | None:
+        """As LayerKV.span: the pool's buffers, and the sequence's base slot while its blocks are one run
+        in the pool, else its slots [S] int64 (the block table, position by position)."""
         seq = self.seq
         arrays = seq.pool.arrays[self.layer]
-        if seq.base is None or arrays is None:
+        if arrays is None:
             return None
-        return arrays, seq.base, seq.start
+        if seq.base is not None:
+            return arrays, seq.base, seq.start, None
+        return arrays, 0, seq.start, seq.slots_array
 
 
 class PagedSequence:
@@ -226,6 +230,7 @@ class PagedSequence:
         self.length = 0
         self.start = 0
         self.slots = torch.empty(0, dtype=torch.long, device=pool.device)
+        self.slots_array = None  # the slots as a numpy array, on the CPU
         self.base: int | None = None  # the first slot, while the blocks are one run in the pool
         self.layers = [PagedLayer(self, i) for i in range(len(pool.layers))]
         self.tokens: list[int] = []  # whose entries are cached, in order (for the pool's keys)
@@ -261,6 +266,7 @@ class PagedSequence:
             table = torch.tensor(self.blocks, dtype=torch.long, device=self.pool.device)
             positions = torch.arange(end, device=self.pool.device)
             self.slots = table[positions // b] * b + positions % b
+            self.slots_array = self.slots.numpy() if self.slots.device.type == "cpu" else None
         self.start = self.length
 
     def _grow(self, blocks: list[int]) -> None:

@@ -60,7 +60,7 @@ class NativeLayer:
                  segments: list[Segment]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """As DecoderLayer's attention half: h [T, D] (+= delta, += attention, in place) -> x [T, D] for
         the MLP and the router's logits [T, E] (None without a router); None where the step does not
-        fit (a prompt chunk, a sequence whose cache is not one run of rows)."""
+        fit (a prompt chunk)."""
         t, (cos, sin) = h.shape[0], cos_sin
         if t > GROUPED_MAX_TOKENS or h.dtype != torch.float32 or cos.dtype != torch.float32 or not h.is_contiguous():
             return None
@@ -69,8 +69,9 @@ class NativeLayer:
             span = seg.kv.span()
             if span is None:
                 return None
-            (k, v), first, start = span
-            sequences.append((seg.rows.start, seg.rows.stop - seg.rows.start, k, v, first, start, seg.mask.contiguous().numpy()))
+            (k, v), first, start, slots = span
+            sequences.append((seg.rows.start, seg.rows.stop - seg.rows.start, k, v, first, start,
+                              seg.mask.contiguous().numpy(), slots))
         x = torch.empty_like(h)
         logits = torch.empty((t, self.experts), dtype=torch.float32) if self.experts else None
         self.native.forward(h.numpy(), None if delta is None else delta.contiguous().numpy(), cos.numpy(), sin.numpy(),

@@ -60,10 +60,10 @@ def test_a_decode_step_in_one_native_call_a_layer_gives_the_bits_of_the_pieces(f
     assert torch.equal(fused, greedy(model, [model.new_cache(64), model.new_cache(64)], 4))
 
 
-def test_the_paged_cache_takes_the_native_call_while_a_sequence_is_one_run_of_blocks():
+def test_the_paged_cache_takes_the_native_call_whether_a_sequence_is_one_run_of_blocks_or_not():
     """Two sequences in the service's paged cache: the first's blocks stop being one run when the
-    second takes the block after them, and its steps go piece by piece from then on (a whole
-    layer at once), with the bits of the pieces all along."""
+    second takes the block after them (at step 5), and the native call goes on through its block
+    table, with the bits of the pieces (which gather the cache by it) all along."""
     from tests.checkpoints import checkpoint
 
     model = packed_model(checkpoint("qwen3_moe"), "int8")
@@ -78,7 +78,7 @@ def test_the_paged_cache_takes_the_native_call_while_a_sequence_is_one_run_of_bl
 
     fused, first_base, second_base = run(natives)
     assert first_base is None and second_base is not None
-    assert natives[0].taken == 4  # until the first sequence outgrows its third block, at step 5
+    assert natives[0].taken == 6
     assert torch.equal(fused, run([None] * len(natives))[0])
 
 
@@ -96,7 +96,7 @@ def test_a_native_layer_refuses_bad_arguments():
     logits = torch.zeros(1, layer.experts)
 
     def call(h=h, cos=cos, seqs=None, logits=logits):
-        seqs = [(0, 1, k.numpy(), v.numpy(), 0, 2, mask.numpy())] if seqs is None else seqs
+        seqs = [(0, 1, k.numpy(), v.numpy(), 0, 2, mask.numpy(), None)] if seqs is None else seqs
         layer.native.forward(h.numpy(), None, cos.numpy(), cos.numpy(), seqs, x.numpy(),
                              None if logits is None else logits.numpy(), pool)
 
@@ -108,13 +108,21 @@ def test_a_native_layer_refuses_bad_arguments():
     with pytest.raises(ValueError, match="logits"):
         call(logits=None)
     with pytest.raises(ValueError, match="cache rows"):
-        call(seqs=[(0, 1, k.numpy(), v.numpy(), 6, 2, mask.numpy())])
+        call(seqs=[(0, 1, k.numpy(), v.numpy(), 6, 2, mask.numpy(), None)])
     with pytest.raises(ValueError, match="mask"):
-        call(seqs=[(0, 1, k.numpy(), v.numpy(), 0, 3, mask.numpy())])
+        call(seqs=[(0, 1, k.numpy(), v.numpy(), 0, 3, mask.numpy(), None)])
+    with pytest.raises(ValueError, match="slots"):
+        call(seqs=[(0, 1, k.numpy(), v.numpy(), 0, 2, mask.numpy(), torch.tensor([3, 8, 1]).numpy())])
+    with pytest.raises(ValueError, match="slots"):
+        call(seqs=[(0, 1, k.numpy(), v.numpy(), 0, 2, mask.numpy(), torch.tensor([3]).numpy())])
+    with pytest.raises(ValueError, match="slots"):
+        call(seqs=[(0, 1, k.numpy(), v.numpy(), 0, 2, mask.numpy(), torch.tensor([3, 4, 5], dtype=torch.int32).numpy())])
+    with pytest.raises(ValueError, match="8|slots"):
+        call(seqs=[(0, 1, k.numpy(), v.numpy(), 0, 2, mask.numpy())])
     with pytest.raises(ValueError, match="cover"):
         call(seqs=[])
     with pytest.raises(ValueError, match="k"):
-        call(seqs=[(0, 1, torch.zeros(8, a.num_kv_heads + 1, a.head_dim).numpy(), v.numpy(), 0, 2, mask.numpy())])
+        call(seqs=[(0, 1, torch.zeros(8, a.num_kv_heads + 1, a.head_dim).numpy(), v.numpy(), 0, 2, mask.numpy(), None)])
     with pytest.raises(ValueError, match="qkv"):
         tandem_native.DecodeLayer(torch.ones(d).numpy(), torch.ones(d).numpy(), 1e-6, [], [], a.num_heads,
                                   a.num_kv_heads, a.head_dim, None, None, False, 1.0, None, None, None, [])

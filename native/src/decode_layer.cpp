@@ -21,7 +21,7 @@ int forward_all(ThreadPool& pool, const KernelTable& k, const std::vector<const 
 
 void decode_layer(ThreadPool& pool, const KernelTable& k, const DecodeLayer& L, float* h, const float* delta,
                   int tokens, const float* cos, const float* sin, int half, const std::vector<DecodeSequence>& seqs,
-                  float* x, float* logits) {
+                  float* x, float* logits, int64_t* ids, float* weights) {
     const int D = L.hidden, qw = L.heads * L.head_dim, kw = L.kv_heads * L.head_dim, width = qw + 2 * kw;
     thread_local std::vector<float> qkv, attn, o;
     qkv.resize(size_t(tokens) * width), attn.resize(size_t(tokens) * qw), o.resize(size_t(tokens) * D);
@@ -50,6 +50,7 @@ void decode_layer(ThreadPool& pool, const KernelTable& k, const DecodeLayer& L, 
         forward_all(pool, k, L.o, attn.data(), tokens, o.data(), D);
         add_rms_norm(h, o.data(), L.post_norm, tokens, D, L.eps, x);
         if (L.gate) linear_f32(pool, k, x, tokens, D, L.gate, L.experts, L.gate_bias, logits);
+        if (L.top_k) route_softmax_topk(logits, tokens, L.experts, L.top_k, L.normalize, L.route_scale, ids, weights);
     });
 }
 

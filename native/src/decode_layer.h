@@ -26,6 +26,9 @@ struct DecodeLayer {
     const float* sinks;                // [H] or null
     const float *gate, *gate_bias;     // the router [E, D] and [E], or null (a dense MLP layer; no bias)
     int experts;
+    int top_k;                         // > 0: route by softmax then top-k (route_softmax_topk) in the call
+    bool normalize;
+    float route_scale;
 };
 
 // One sequence's rows of the step and its layer cache.
@@ -40,9 +43,10 @@ struct DecodeSequence {
 // h [T, D] += delta (none at the first layer); q, k, v of rms_norm(h) by the qkv linears, q and k
 // turned (cos, sin [T, half]) after their head norms; each sequence's k and v rows into its cache and
 // its queries' attention over it; h += o(attention); x [T, D] = rms_norm(h) by post_norm; logits
-// [T, E] = x's router products where the layer has a router. From outside any job on `pool`.
+// [T, E] = x's router products where the layer has a router, and with top_k its choice: ids [T, k]
+// and weights [T, k]. From outside any job on `pool`.
 void decode_layer(ThreadPool& pool, const KernelTable& k, const DecodeLayer& layer, float* h, const float* delta,
                   int tokens, const float* cos, const float* sin, int half, const std::vector<DecodeSequence>& seqs,
-                  float* x, float* logits);
+                  float* x, float* logits, int64_t* ids, float* weights);
 
 }  // namespace tandem

@@ -249,7 +249,7 @@ std::unique_ptr<PyDecodeLayer> make_decode_layer(py::array input_norm, py::array
                                                  const std::vector<const PackedLinear*>& o, int heads, int kv_heads,
                                                  int head_dim, py::object q_norm, py::object k_norm, bool interleaved,
                                                  float scale, py::object sinks, py::object gate, py::object gate_bias,
-                                                 py::list linears) {
+                                                 py::list linears, int top_k, bool normalize, float route_scale) {
     if (heads < 1 || kv_heads < 1 || heads % kv_heads || head_dim < 2)
         throw std::invalid_argument("heads, kv_heads, head_dim: " + std::to_string(kv_heads) + " key heads must divide " +
                                     std::to_string(heads) + " query heads of at least 2 dims");
@@ -279,6 +279,10 @@ std::unique_ptr<PyDecodeLayer> make_decode_layer(py::array input_norm, py::array
     } else if (!gate_bias.is_none()) {
         throw std::invalid_argument("gate_bias: given without a gate");
     }
+    if (top_k < 0 || top_k > L.experts)
+        throw std::invalid_argument("top_k: must be in [0, " + std::to_string(L.experts) + "] (the router's experts), got " +
+                                    std::to_string(top_k));
+    L.top_k = top_k, L.normalize = normalize, L.route_scale = route_scale;
     return p;
 }
 
@@ -322,7 +326,8 @@ DecodeSequence decode_sequence(const DecodeLayer& L, const py::tuple& t, int tok
 }
 
 void py_decode_layer(const PyDecodeLayer& p, py::array h, py::object delta_obj, py::array cos, py::array sin,
-                     py::list sequences, py::array x, py::object logits_obj, ThreadPool& pool) {
+                     py::list sequences, py::array x, py::object logits_obj, py::object ids_obj, py::object weights_obj,
+                     ThreadPool& pool) {
     const DecodeLayer& L = p.layer;
     check_array<float>(h, "h", "float32", {-1, L.hidden});
     const int T = int(h.shape(0));
@@ -346,6 +351,14 @@ void py_decode_layer(const PyDecodeLayer& p, py::array h, py::object delta_obj, 
         check_array<float>(logits, "logits", "float32", {T, L.experts});
         if (!logits.writeable()) throw std::invalid_argument("logits: must be writable");
     }
+    py::array ids, weights;
+    if (L.top_k) {
+        if (ids_obj.is_none() || weights_obj.is_none()) throw std::invalid_argument("ids, weights: the layer routes");
+        ids = ids_obj.cast<py::array>(), weights = weights_obj.cast<py::array>();
+        check_array<int64_t>(ids, "ids", "int64", {T, L.top_k});
+        check_array<float>(weights, "weights", "float32", {T, L.top_k});
+        if (!ids.writeable() || !weights.writeable()) throw std::invalid_argument("ids, weights: must be writable");
+    }
     std::vector<DecodeSequence> seqs;
     int covered = 0;
     for (const py::handle& item : sequences) {
@@ -359,9 +372,11 @@ void py_decode_layer(const PyDecodeLayer& p, py::array h, py::object delta_obj, 
     const float *cp = static_cast<const float*>(cos.data()), *sp = static_cast<const float*>(sin.data());
     float* xp = static_cast<float*>(x.mutable_data());
     float* lp = L.gate ? static_cast<float*>(logits.mutable_data()) : nullptr;
+    int64_t* ip = L.top_k ? static_cast<int64_t*>(ids.mutable_data()) : nullptr;
+    float* wp = L.top_k ? static_cast<float*>(weights.mutable_data()) : nullptr;
     const KernelTable& kernels = table("");
     py::gil_scoped_release release;
-    decode_layer(pool, kernels, L, hp, dp, T, cp, sp, half, seqs, xp, lp);
+    decode_layer(pool, kernels, L, hp, dp, T, cp, sp, half, seqs, xp, lp, ip, wp);
 }
 
 }  // namespace
@@ -422,16 +437,18 @@ void register_linear(py::module_& m) {
         .def(py::init(&make_decode_layer), py::arg("input_norm"), py::arg("post_norm"), py::arg("eps"), py::arg("qkv"),
              py::arg("o"), py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"), py::arg("q_norm"),
              py::arg("k_norm"), py::arg("interleaved"), py::arg("scale"), py::arg("sinks"), py::arg("gate"),
-             py::arg("gate_bias"), py::arg("linears"),
+             py::arg("gate_bias"), py::arg("linears"), py::arg("top_k") = 0, py::arg("normalize") = false,
+             py::arg("route_scale") = 1.f,
              "norms [D], the qkv and o linears (lists of Linear; `linears` keeps them alive), per-head q and k "
-             "norms [Dh] or None, sinks [H] or None, the router [E, D] and its bias [E] or None")
+             "norms [Dh] or None, sinks [H] or None, the router [E, D] and its bias [E] or None; top_k > 0: the "
+             "call routes too, by softmax then top-k (route_softmax_topk's normalize and scale)")
         .def("forward", &py_decode_layer, py::arg("h"), py::arg("delta"), py::arg("cos"), py::arg("sin"),
-             py::arg("sequences"), py::arg("x"), py::arg("logits"), py::arg("pool"),
+             py::arg("sequences"), py::arg("x"), py::arg("logits"), py::arg("ids"), py::arg("weights"), py::arg("pool"),
              "h [T, D] += delta; its normed q, k, v (turned by cos, sin [T, R/2]); each sequence's (row0, rows, k, v, "
              "first, start, mask, slots) k and v rows into its cache [N, Hkv, Dh] at first + start and attention "
              "over [first, first + start + rows) where mask [rows, start + rows] (with slots [S] int64, position s "
              "at row slots[s]); h += o(attention); x [T, D] = its post norm; logits [T, E] = the router's products "
-             "of x (None where the layer has none)");
+             "of x (None where the layer has none); ids and weights [T, k] its choice, where the layer routes");
     m.def("linears_forward", &linears_forward, py::arg("linears"), py::arg("x"), py::arg("out"), py::arg("pool"),
           py::arg("isa") = "", "out [T, sum O] = each linear's x [T, I] W^T (+ b) side by side, in one call");
 }

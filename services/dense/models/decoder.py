@@ -52,8 +52,8 @@ class DecoderLayer:
         at the first layer) -> the same after this layer: each add goes with the norm after it."""
         fused = self.native(h, delta, cos_sin, segments) if self.native is not None else None
         if fused is not None:
-            x, logits = fused
-            return h, self.mlp(x) if logits is None else self.mlp(x, logits)
+            x, logits, routing = fused
+            return h, self.mlp(x) if logits is None else self.mlp(x, logits, routing)
         h, x = add_rms_norm(h, delta, self.input_norm, self.eps)
         h, x = add_rms_norm(h, self.attention(x, cos_sin, segments), self.post_attention_norm, self.eps)
         return h, self.mlp(x)

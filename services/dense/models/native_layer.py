@@ -1,6 +1,6 @@
 """A decoder layer's dense side in one native call for a decode step: the input norm, grouped-query
 attention (projections, head norms, rotation, the cache write, attention, output projection), the
-post-attention norm and the router's logits, where the pieces are those the native kernels compute
+post-attention norm and the router's logits (and its softmax-top-k choice), where the pieces are those the native kernels compute
 anyway (packed linears, float32 on the CPU). A decode step made some ten binding calls a layer for
 these, each with its Python around it and a wake of the pool's helpers (the int4 bench model's step
 took about a tenth longer so). The same kernels run in the same order, so the bits are those of the
@@ -36,11 +36,14 @@ class NativeLayer:
         head_norm = a.qk_norm == "head"
         self.pool = pool
         self.experts = 0 if gate is None else gate.weight.shape[0]
+        router = layer.mlp.router if gate is not None else None
+        self.top_k = router.top_k if router is not None and router.method == "softmax_topk" else 0  # routes too
         self.native = _native.DecodeLayer(
             _floats(layer.input_norm), _floats(layer.post_attention_norm), layer.eps, list(qkv), list(o), a.num_heads,
             a.num_kv_heads, a.head_dim, _floats(att.q_norm) if head_norm else None,
             _floats(att.k_norm) if head_norm else None, att.rotary.interleaved, a.softmax_scale, _floats(att.sinks),
-            None if gate is None else gate.weight.numpy(), None if gate is None else _floats(gate.bias), [*qkv, *o])
+            None if gate is None else gate.weight.numpy(), None if gate is None else _floats(gate.bias), [*qkv, *o],
+            self.top_k, bool(self.top_k and router.norm_topk_prob), router.routed_scaling_factor if self.top_k else 1.0)
 
     @classmethod
     def of(cls, layer) -> NativeLayer | None:
@@ -57,10 +60,11 @@ class NativeLayer:
         return cls(layer, att.pool, qkv, o, gate)
 
     def __call__(self, h: torch.Tensor, delta: torch.Tensor | None, cos_sin,
-                 segments: list[Segment]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+                 segments: list[Segment]) -> tuple[torch.Tensor, torch.Tensor | None, tuple | None] | None:
         """As DecoderLayer's attention half: h [T, D] (+= delta, += attention, in place) -> x [T, D] for
-        the MLP and the router's logits [T, E] (None without a router); None where the step does not
-        fit (a prompt chunk)."""
+        the MLP, the router's logits [T, E] (None without a router) and, where its method is
+        softmax_topk, its choice (ids [T, K] int64, weights [T, K] float32; else None); None where
+        the step does not fit (a prompt chunk)."""
         t, (cos, sin) = h.shape[0], cos_sin
         if t > GROUPED_MAX_TOKENS or h.dtype != torch.float32 or cos.dtype != torch.float32 or not h.is_contiguous():
             return None
@@ -74,6 +78,10 @@ class NativeLayer:
                               seg.mask.contiguous().numpy(), slots))
         x = torch.empty_like(h)
         logits = torch.empty((t, self.experts), dtype=torch.float32) if self.experts else None
+        routing = None
+        if self.top_k:
+            routing = torch.empty((t, self.top_k), dtype=torch.int64), torch.empty((t, self.top_k), dtype=torch.float32)
         self.native.forward(h.numpy(), None if delta is None else delta.contiguous().numpy(), cos.numpy(), sin.numpy(),
-                            sequences, x.numpy(), None if logits is None else logits.numpy(), self.pool)
-        return x, logits
+                            sequences, x.numpy(), None if logits is None else logits.numpy(),
+                            *((None, None) if routing is None else (r.numpy() for r in routing)), self.pool)
+        return x, logits, routing

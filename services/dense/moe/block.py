@@ -29,12 +29,14 @@ class MoeBlock:
             self.shared = GatedMLP(w, shared_prefix, d, moe.shared_intermediate_size, cfg.mlp_bias)
         self.shared_gate = w.linear(f"{prefix}.shared_expert_gate", 1, d) if moe.shared_gated else None
 
-    def __call__(self, x: torch.Tensor, logits: torch.Tensor | None = None) -> torch.Tensor:  # [T, D] -> [T, D]
-        """logits [T, E]: the router's, where the caller computed them with x (NativeLayer)."""
+    def __call__(self, x: torch.Tensor, logits: torch.Tensor | None = None,
+                 routing: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:  # [T, D] -> [T, D]
+        """logits [T, E] and routing (ids, weights [T, K]): the router's logits and choice, where the
+        caller computed them with x (NativeLayer)."""
         if logits is None:
             logits = self.gate(x.float())  # on both of the pool's threads: expect() parks its helpers
         self.experts.expect(self.layer)
-        ids, weights = route(self.router, logits, self.bias)
+        ids, weights = route(self.router, logits, self.bias) if routing is None else routing
         handle = self.experts.submit(self.layer, x, ids, weights)
         shared = self._shared(x)
         routed = self.experts.wait(handle)

@@ -7,7 +7,8 @@ import torch
 
 from services.dense.kv_cache import BlockPool, PagedSequence
 from services.dense.models.decoder import Chunk
-from services.dense.models.native_layer import NativeLayer
+from services.dense.models.native_layer import NativeLayer, _packed
+from services.dense.moe.block import MoeBlock
 from services.dense.pool import shared_pool
 from tests.services.dense.test_dense_formats import TOKENS, packed_model
 
@@ -52,6 +53,10 @@ def test_a_decode_step_in_one_native_call_a_layer_gives_the_bits_of_the_pieces(f
         assert natives == [None] * len(natives)
         return
     assert all(isinstance(n, NativeLayer) for n in natives)
+    router = model.cfg.moe.router
+    routes = [router.top_k if isinstance(layer.mlp, MoeBlock) and router.method == "softmax_topk" else 0
+              for layer in model.layers]
+    assert [n.top_k for n in natives] == routes  # the call routes too where the router is softmax then top-k
     counting = [Counting(n) for n in natives]
     set_native(model, counting)
     fused = greedy(model, [model.new_cache(64), model.new_cache(64)], 4)
@@ -94,11 +99,13 @@ def test_a_native_layer_refuses_bad_arguments():
     k = v = torch.zeros(8, a.num_kv_heads, a.head_dim)
     mask = torch.ones(1, 3, dtype=torch.bool)
     logits = torch.zeros(1, layer.experts)
+    ids, weights = torch.zeros(1, layer.top_k, dtype=torch.int64), torch.zeros(1, layer.top_k)
 
-    def call(h=h, cos=cos, seqs=None, logits=logits):
+    def call(h=h, cos=cos, seqs=None, logits=logits, ids=ids):
         seqs = [(0, 1, k.numpy(), v.numpy(), 0, 2, mask.numpy(), None)] if seqs is None else seqs
         layer.native.forward(h.numpy(), None, cos.numpy(), cos.numpy(), seqs, x.numpy(),
-                             None if logits is None else logits.numpy(), pool)
+                             None if logits is None else logits.numpy(), None if ids is None else ids.numpy(),
+                             weights.numpy(), pool)
 
     call()  # the arguments below differ from these in one place each
     with pytest.raises(ValueError, match="h"):
@@ -107,6 +114,10 @@ def test_a_native_layer_refuses_bad_arguments():
         call(cos=torch.zeros(1, a.head_dim))
     with pytest.raises(ValueError, match="logits"):
         call(logits=None)
+    with pytest.raises(ValueError, match="ids"):
+        call(ids=None)
+    with pytest.raises(ValueError, match="ids"):
+        call(ids=torch.zeros(1, layer.top_k + 1, dtype=torch.int64))
     with pytest.raises(ValueError, match="cache rows"):
         call(seqs=[(0, 1, k.numpy(), v.numpy(), 6, 2, mask.numpy(), None)])
     with pytest.raises(ValueError, match="mask"):
@@ -126,3 +137,9 @@ def test_a_native_layer_refuses_bad_arguments():
     with pytest.raises(ValueError, match="qkv"):
         tandem_native.DecodeLayer(torch.ones(d).numpy(), torch.ones(d).numpy(), 1e-6, [], [], a.num_heads,
                                   a.num_kv_heads, a.head_dim, None, None, False, 1.0, None, None, None, [])
+    attention = model.layers[0].attention
+    qkv, o = _packed(attention.qkv_proj), _packed(attention.o_proj)
+    with pytest.raises(ValueError, match="top_k"):
+        tandem_native.DecodeLayer(torch.ones(d).numpy(), torch.ones(d).numpy(), 1e-6, list(qkv), list(o),
+                                  a.num_heads, a.num_kv_heads, a.head_dim, None, None, False, 1.0, None,
+                                  torch.zeros(4, d).numpy(), None, [*qkv, *o], 5)

@@ -1,10 +1,11 @@
 """A decoder layer's dense side in one native call for a decode step: the input norm, grouped-query
 attention (projections, head norms, rotation, the cache write, attention, output projection), the
-post-attention norm and the router's logits (and its softmax-top-k choice), where the pieces are those the native kernels compute
-anyway (packed linears, float32 on the CPU). A decode step made some ten binding calls a layer for
-these, each with its Python around it and a wake of the pool's helpers (the int4 bench model's step
-took about a tenth longer so). The same kernels run in the same order, so the bits are those of the
-pieces called apart.
+post-attention norm, the router's logits and its softmax-top-k choice, where the pieces are those
+the native kernels compute anyway (packed linears, float32 on the CPU). A decode step made some ten
+binding calls a layer for these, each with its Python around it and a wake of the pool's helpers
+(the int4 bench model's step took about a tenth longer so). The same kernels run in the same order,
+so the bits are those of the pieces called apart. A paged cache's sequence is followed through its
+block table where its blocks are not one run.
 Shapes: T tokens of the step, D hidden size, E routed experts, S a sequence's cached positions.
 """
 
@@ -66,7 +67,8 @@ class NativeLayer:
         softmax_topk, its choice (ids [T, K] int64, weights [T, K] float32; else None); None where
         the step does not fit (a prompt chunk)."""
         t, (cos, sin) = h.shape[0], cos_sin
-        if t > GROUPED_MAX_TOKENS or h.dtype != torch.float32 or cos.dtype != torch.float32 or not h.is_contiguous():
+        floats = h.dtype == cos.dtype == torch.float32 and (delta is None or delta.dtype == torch.float32)
+        if t > GROUPED_MAX_TOKENS or not floats or not h.is_contiguous():
             return None
         sequences = []
         for seg in segments:

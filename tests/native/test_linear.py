@@ -64,13 +64,15 @@ def test_variant_matches_generic_and_the_float_product(isa, fmt, shape, pool):
 @pytest.mark.parametrize("isa", ALL_ISAS)
 @pytest.mark.parametrize("fmt", list(TOLERANCE))
 @pytest.mark.parametrize("inp", [128, 96])  # int8: 4 and 3 blocks of 32 (an odd count ends a tile loop alone)
-def test_a_token_gets_the_same_bits_alone_or_in_any_batch(isa, fmt, inp, pool):
+@pytest.mark.parametrize("out", [100, 1104])  # 1104: 128-row tasks, the last of 80 (streamed tiles, then one alone)
+def test_a_token_gets_the_same_bits_alone_or_in_any_batch(isa, fmt, inp, out, pool):
     """Each token's output bits do not depend on its batch-mates, on every variant (bf16 on AMX
-    takes the tiles at every size for this: they round otherwise than its SIMD path)."""
+    takes the tiles at every size for this: they round otherwise than its SIMD path); a lone token
+    streams several tiles at once where its variant does (decode_streams)."""
     if isa not in tn.supported_isas():
         pytest.skip(f"{isa}: not supported by this CPU or build (supported: {tn.supported_isas()})")
     rng = np.random.default_rng(3)
-    lin = packed(fmt, weight(rng, 100, inp), pool)
+    lin = packed(fmt, weight(rng, out, inp), pool)
     x = rng.standard_normal((40, inp), dtype=np.float32)
     full = forward(lin, x, pool, isa)
     for start, n in ((0, 1), (7, 1), (3, 2), (10, 5), (0, 16), (0, 17), (20, 20), (39, 1)):

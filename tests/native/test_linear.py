@@ -64,11 +64,13 @@ def test_variant_matches_generic_and_the_float_product(isa, fmt, shape, pool):
 @pytest.mark.parametrize("isa", ALL_ISAS)
 @pytest.mark.parametrize("fmt", list(TOLERANCE))
 @pytest.mark.parametrize("inp", [128, 96])  # int8: 4 and 3 blocks of 32 (an odd count ends a tile loop alone)
-@pytest.mark.parametrize("out", [100, 1104])  # 1104: 128-row tasks, the last of 80 (streamed tiles, then one alone)
+# 1104: tasks of 8 tiles (runs of 2), the last of 5 (runs of 1, then a tile alone); 2000: tasks of
+# 16 tiles (runs of 4), the last of 13 (runs of 3, then a tile alone)
+@pytest.mark.parametrize("out", [100, 1104, 2000])
 def test_a_token_gets_the_same_bits_alone_or_in_any_batch(isa, fmt, inp, out, pool):
     """Each token's output bits do not depend on its batch-mates, on every variant (bf16 on AMX
     takes the tiles at every size for this: they round otherwise than its SIMD path); a lone token
-    streams several tiles at once where its variant does (decode_streams)."""
+    reads runs of tiles side by side where its variant does (kDecodeStreams)."""
     if isa not in tn.supported_isas():
         pytest.skip(f"{isa}: not supported by this CPU or build (supported: {tn.supported_isas()})")
     rng = np.random.default_rng(3)

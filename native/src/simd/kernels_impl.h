@@ -293,34 +293,34 @@ struct ScaleWalk {
     }
 };
 
-// Tiles a one-token call (decode) streams side by side, by format. On AVX2 machines one int8
-// stream and its software prefetch keep too few lines in flight: a Zen 2 read its weights at 0.74
-// of the read bandwidth that way, and at 1.04 with four interleaved streams, which the hardware
-// prefetchers follow on their own. int4's unpacking keeps the core busy enough that more streams
-// only spill its registers (0.77 -> 0.70 with two). AVX-512 machines (Zen 4) read at 0.94-0.99 with one.
-constexpr int decode_streams(Format f) {
+// Weight streams a one-token call (decode) reads side by side, each a run of consecutive tiles.
+// On AVX2 machines one stream and its software prefetch keep too few lines in flight: a Zen 2 read
+// int4 weights at 0.76-0.82 of the read bandwidth that way (int8 0.74), and at 0.90-1.05 (int8
+// 1.04-1.27) with four runs, which the hardware prefetchers follow on their own. AVX-512 machines
+// (Zen 4) read at 0.94-0.99 with one.
 #if defined(__AVX512F__)
-    (void)f;
-    return 1;
+constexpr int kDecodeStreams = 1;
 #else
-    return f == Format::INT8 ? 4 : 1;
+constexpr int kDecodeStreams = 4;
 #endif
-}
 
-// Rows r .. r + 16 S - 1 (S tiles, format F) against N tokens: y[i * ldy + k] = dot(row r + k, token i).
+// Rows of S tiles (format F) against N tokens: tile k is the stride-th tile after tile k - 1, from
+// row r, and y[i * ldy + 16 stride k + j] = dot(row j of tile k, token i).
 // step(p, b, s, dot) adds step s of block b (its bytes at p) to the int32 sums dot[i][h]; each
-// block's sums are then scaled into fp32. The tiles go block by block in turn, each with the
-// arithmetic it has alone.
+// block's sums are then scaled into fp32 and added to y, where they accumulate (in L1: S tiles'
+// accumulators would spill AVX2's 16 registers). The tiles go block by block in turn, each with
+// the arithmetic it has alone.
 template <int N, Format F, int S, typename Step>
-void int_tile(const Matrix& w, int r, const TokenRows<N>& t, float* y, int ldy, Step step) {
+void int_tile(const Matrix& w, int r, int stride, const TokenRows<N>& t, float* y, int ldy, Step step) {
     const int blocks = w.cols / kBlock;
-    const int64_t tile_bytes = int64_t(blocks) * int_block_bytes(F), tile_scales = int_scale_at(w, kIntTileRows, 0) - w.scales;
+    const int64_t tile_bytes = int64_t(stride) * blocks * int_block_bytes(F);
+    const int64_t tile_scales = stride * (int_scale_at(w, kIntTileRows, 0) - w.scales);
+    auto out = [&](int k, int i, int h) { return y + int64_t(i) * ldy + kIntTileRows * stride * k + 8 * h; };
     const uint8_t* p = int_block_at(w, r, 0);
     ScaleWalk ws(w, r);
-    __m256 acc[S][N][kHalves];
-    for (auto& tile : acc)
-        for (auto& row : tile)
-            for (auto& a : row) a = _mm256_setzero_ps();
+    for (int k = 0; k < S; ++k)
+        for (int i = 0; i < N; ++i)
+            for (int h = 0; h < kHalves; ++h) _mm256_storeu_ps(out(k, i, h), _mm256_setzero_ps());
     for (int b = 0; b < blocks; ++b, ws.next(), p += int_block_bytes(F)) {
         if constexpr (S == 1)
             for (int line = 0; line < int_block_bytes(F); line += 64)
@@ -331,21 +331,23 @@ void int_tile(const Matrix& w, int r, const TokenRows<N>& t, float* y, int ldy, 
                 for (auto& d : row) d = _mm256_setzero_si256();
             for (int s = 0; s < kBlock / int_step_cols(F); ++s) step(p + k * tile_bytes + s * kHalves * 32, b, s, dot);
             const uint16_t* scales = ws.at + k * tile_scales;
-            scale_block<N>(scales, t.s, b, dot, acc[k]);
-            if constexpr (F == Format::INT4_ASYM) min_block<N>(w.mins + (scales - w.scales), t, b, acc[k]);
+            __m256 acc[N][kHalves];
+            for (int i = 0; i < N; ++i)
+                for (int h = 0; h < kHalves; ++h) acc[i][h] = _mm256_loadu_ps(out(k, i, h));
+            scale_block<N>(scales, t.s, b, dot, acc);
+            if constexpr (F == Format::INT4_ASYM) min_block<N>(w.mins + (scales - w.scales), t, b, acc);
+            for (int i = 0; i < N; ++i)
+                for (int h = 0; h < kHalves; ++h) _mm256_storeu_ps(out(k, i, h), acc[i][h]);
         }
     }
-    for (int k = 0; k < S; ++k)
-        for (int i = 0; i < N; ++i)
-            for (int h = 0; h < kHalves; ++h) _mm256_storeu_ps(y + int64_t(i) * ldy + kIntTileRows * k + 8 * h, acc[k][i][h]);
 }
 
 // int8 through the sign trick: |a| (unsigned) times sign(b, a) (signed) through maddubs, which
 // cannot saturate since |a|, |b| <= 127; one token takes a = x (its broadcast), several share a = w
 // (made unsigned once per load).
 template <int N, int S>
-void int8_tile(const Matrix& w, int r, const TokenRows<N>& t, float* y, int ldy) {
-    int_tile<N, Format::INT8, S>(w, r, t, y, ldy, [&](const uint8_t* p, int b, int s, __m256i (&dot)[N][kHalves]) {
+void int8_tile(const Matrix& w, int r, int stride, const TokenRows<N>& t, float* y, int ldy) {
+    int_tile<N, Format::INT8, S>(w, r, stride, t, y, ldy, [&](const uint8_t* p, int b, int s, __m256i (&dot)[N][kHalves]) {
         __m256i wv[kHalves], aw[kHalves];
         for (int h = 0; h < kHalves; ++h) {
             wv[h] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * h));
@@ -387,9 +389,9 @@ inline void unpack_int4(const uint8_t* p, __m256i table, __m256i& lo, __m256i& h
 
 // int4 (activations 7-bit, activation_levels): each step unpacked once for all N tokens.
 template <int N, int S>
-void int4_tile(const Matrix& w, int r, const TokenRows<N>& t, float* y, int ldy) {
+void int4_tile(const Matrix& w, int r, int stride, const TokenRows<N>& t, float* y, int ldy) {
     const __m256i table = _mm256_xor_si256(int4_levels(w), _mm256_set1_epi8(char(0x80)));
-    int_tile<N, Format::INT4, S>(w, r, t, y, ldy, [&](const uint8_t* p, int b, int s, __m256i (&dot)[N][kHalves]) {
+    int_tile<N, Format::INT4, S>(w, r, stride, t, y, ldy, [&](const uint8_t* p, int b, int s, __m256i (&dot)[N][kHalves]) {
         __m256i lo[kHalves], hi[kHalves];
         for (int h = 0; h < kHalves; ++h) unpack_int4(p + 32 * h, table, lo[h], hi[h]);
         const int col = b * kBlock + 8 * s;
@@ -405,9 +407,9 @@ void int4_tile(const Matrix& w, int r, const TokenRows<N>& t, float* y, int ldy)
 // int4_asym: codes 0-15 are unsigned as they are, so each step is two dot products with the
 // token's full 8-bit x (a pair's 2 * 15 * 127 cannot saturate maddubs); the minimums come in per block.
 template <int N, int S>
-void int4_asym_tile(const Matrix& w, int r, const TokenRows<N>& t, float* y, int ldy) {
+void int4_asym_tile(const Matrix& w, int r, int stride, const TokenRows<N>& t, float* y, int ldy) {
     const __m256i mask = _mm256_set1_epi8(0x0f);
-    int_tile<N, Format::INT4_ASYM, S>(w, r, t, y, ldy, [&](const uint8_t* p, int b, int s, __m256i (&dot)[N][kHalves]) {
+    int_tile<N, Format::INT4_ASYM, S>(w, r, stride, t, y, ldy, [&](const uint8_t* p, int b, int s, __m256i (&dot)[N][kHalves]) {
         __m256i lo[kHalves], hi[kHalves];
         for (int h = 0; h < kHalves; ++h) {
             const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * h));
@@ -423,40 +425,45 @@ void int4_asym_tile(const Matrix& w, int r, const TokenRows<N>& t, float* y, int
 }
 
 // Rows [r0, r1) a 16-row tile at a time (r0 and r1 are multiples of it), against the tokens Most
-// at a time, then 2, then 1: tile(N, S, r, i, y) computes tokens i .. i + N - 1 of the S tiles from
-// row r into y (N and S integral_constants). A lone token takes decode_streams(F) tiles at once.
-template <int Most, Format F, typename Tile>
+// at a time, then 2, then 1: tile(N, S, r, stride, i, y) computes tokens i .. i + N - 1 of S tiles
+// stride tiles apart from row r into y (N and S integral_constants). A lone token reads the rows as
+// kDecodeStreams runs of consecutive tiles side by side, then the tiles left over one at a time.
+template <int Most, typename Tile>
 void by_tiles(int r0, int r1, int n, float* y, int ldy, Tile tile) {
     using One = std::integral_constant<int, 1>;
-    constexpr int streams = decode_streams(F), streamed = streams * kIntTileRows;
+    constexpr int streams = kDecodeStreams;
     int r = r0;
-    if (n == 1)
-        for (; r + streamed <= r1; r += streamed) tile(One{}, std::integral_constant<int, streams>{}, r, 0, y + (r - r0));
+    if (n == 1 && streams > 1) {
+        const int run = (r1 - r0) / (kIntTileRows * streams);  // tiles of each stream
+        for (int j = 0; j < run; ++j, r += kIntTileRows)
+            tile(One{}, std::integral_constant<int, streams>{}, r, run, 0, y + (r - r0));
+        r = r0 + run * streams * kIntTileRows;
+    }
     for (; r < r1; r += kIntTileRows) {
         float* yr = y + (r - r0);
         int i = 0;
-        for (; i + Most <= n; i += Most) tile(std::integral_constant<int, Most>{}, One{}, r, i, yr + int64_t(i) * ldy);
-        for (; i + 2 <= n; i += 2) tile(std::integral_constant<int, 2>{}, One{}, r, i, yr + int64_t(i) * ldy);
-        if (i < n) tile(One{}, One{}, r, i, yr + int64_t(i) * ldy);
+        for (; i + Most <= n; i += Most) tile(std::integral_constant<int, Most>{}, One{}, r, 1, i, yr + int64_t(i) * ldy);
+        for (; i + 2 <= n; i += 2) tile(std::integral_constant<int, 2>{}, One{}, r, 1, i, yr + int64_t(i) * ldy);
+        if (i < n) tile(One{}, One{}, r, 1, i, yr + int64_t(i) * ldy);
     }
 }
 
 void matmul_int8(const Matrix& w, int r0, int r1, const Activations& x, int n, float* y, int ldy) {
-    by_tiles<kTokensPerLoad, Format::INT8>(r0, r1, n, y, ldy, [&](auto N, auto S, int r, int i, float* yi) {
-        int8_tile<decltype(N)::value, decltype(S)::value>(w, r, TokenRows<decltype(N)::value>(x, i), yi, ldy);
+    by_tiles<kTokensPerLoad>(r0, r1, n, y, ldy, [&](auto N, auto S, int r, int stride, int i, float* yi) {
+        int8_tile<decltype(N)::value, decltype(S)::value>(w, r, stride, TokenRows<decltype(N)::value>(x, i), yi, ldy);
     });
 }
 
 void matmul_int4_asym(const Matrix& w, int r0, int r1, const Activations& x, int n, float* y, int ldy) {
-    by_tiles<kTokensPerLoad, Format::INT4_ASYM>(r0, r1, n, y, ldy, [&](auto N, auto S, int r, int i, float* yi) {
-        int4_asym_tile<decltype(N)::value, decltype(S)::value>(w, r, TokenRows<decltype(N)::value>(x, i), yi, ldy);
+    by_tiles<kTokensPerLoad>(r0, r1, n, y, ldy, [&](auto N, auto S, int r, int stride, int i, float* yi) {
+        int4_asym_tile<decltype(N)::value, decltype(S)::value>(w, r, stride, TokenRows<decltype(N)::value>(x, i), yi, ldy);
     });
 }
 
 // int4 takes kInt4Tokens at a time (its unpacking spills on AVX2 with more).
 void matmul_int4(const Matrix& w, int r0, int r1, const Activations& x, int n, float* y, int ldy) {
-    by_tiles<kInt4Tokens, Format::INT4>(r0, r1, n, y, ldy, [&](auto N, auto S, int r, int i, float* yi) {
-        int4_tile<decltype(N)::value, decltype(S)::value>(w, r, TokenRows<decltype(N)::value>(x, i), yi, ldy);
+    by_tiles<kInt4Tokens>(r0, r1, n, y, ldy, [&](auto N, auto S, int r, int stride, int i, float* yi) {
+        int4_tile<decltype(N)::value, decltype(S)::value>(w, r, stride, TokenRows<decltype(N)::value>(x, i), yi, ldy);
     });
 }
 

@@ -32,15 +32,16 @@ void axpy(float p, const float* x, float* y, int n) {
 
 // A head's logits [S] over its cache -> its probabilities: scaled, masked, softmax (the head's sink
 // joining it as one more logit with no value).
-void softmax_row(const AttendArgs& a, int h, const bool* seen, float* logits) {
+// S: the positions up to the token's last seen one (the ones after it would add exact zeros).
+void softmax_row(const AttendArgs& a, int h, const bool* seen, int S, float* logits) {
     float top = a.sinks ? a.sinks[h] : -std::numeric_limits<float>::infinity();
-    for (int s = 0; s < a.positions; ++s) {
+    for (int s = 0; s < S; ++s) {
         logits[s] = seen[s] ? logits[s] * a.scale : -std::numeric_limits<float>::infinity();
         top = std::max(top, logits[s]);
     }
     float total = a.sinks ? std::exp(a.sinks[h] - top) : 0.f;
-    for (int s = 0; s < a.positions; ++s) total += logits[s] = std::exp(logits[s] - top);
-    for (int s = 0; s < a.positions; ++s) logits[s] /= total;
+    for (int s = 0; s < S; ++s) total += logits[s] = std::exp(logits[s] - top);
+    for (int s = 0; s < S; ++s) logits[s] /= total;
 }
 
 // Position s's row of the cached keys and values.
@@ -55,9 +56,12 @@ inline int run_end(const int64_t* slots, int s0, int S) {
 
 // One token's query heads [h0, h1) of one key/value head's group: each cached key and value row is
 // read once for all of them. A head's arithmetic is the same whichever heads share the call.
-// logits: [h1 - h0, S] scratch.
+// logits: [h1 - h0, positions] scratch.
 void attend_heads(const KernelTable& k, const AttendArgs& a, int t, int h0, int h1, float* logits) {
-    const int n = h1 - h0, S = a.positions, g = h0 / (a.heads / a.kv_heads);
+    const bool* seen = a.mask + long(t) * a.positions;
+    int S = a.positions;  // a prompt chunk's token sees none of the positions after its own
+    while (S > 0 && !seen[S - 1]) --S;
+    const int n = h1 - h0, ld = a.positions, g = h0 / (a.heads / a.kv_heads);
     const long k_step = long(a.kv_heads) * a.q_dim, v_step = long(a.kv_heads) * a.v_dim;
     const float* q = a.q.base + t * a.q.row + h0 * a.q.head;
     const float* keys = a.k + long(g) * a.q_dim;
@@ -65,20 +69,19 @@ void attend_heads(const KernelTable& k, const AttendArgs& a, int t, int h0, int 
         s1 = a.slots ? run_end(a.slots, s0, S) : S;
         const float* run = keys + row_of(a, s0) * k_step;
         if (a.q.head == a.q_dim) {
-            k.dot_rows(q, n, a.q_dim, run, k_step, s1 - s0, logits + s0, S);
+            k.dot_rows(q, n, a.q_dim, run, k_step, s1 - s0, logits + s0, ld);
         } else {
             for (int j = 0; j < n; ++j)
-                k.dot_rows(q + j * a.q.head, 1, a.q_dim, run, k_step, s1 - s0, logits + long(j) * S + s0, S);
+                k.dot_rows(q + j * a.q.head, 1, a.q_dim, run, k_step, s1 - s0, logits + long(j) * ld + s0, ld);
         }
     }
-    const bool* seen = a.mask + long(t) * S;
-    for (int j = 0; j < n; ++j) softmax_row(a, h0 + j, seen, logits + long(j) * S);
+    for (int j = 0; j < n; ++j) softmax_row(a, h0 + j, seen, S, logits + long(j) * ld);
     float* out = a.out + (long(t) * a.heads + h0) * a.v_dim;
     std::fill(out, out + long(n) * a.v_dim, 0.f);
     const float* values = a.v + long(g) * a.v_dim;
     for (int s = 0; s < S; ++s)
         for (int j = 0; j < n; ++j) {
-            const float p = logits[long(j) * S + s];
+            const float p = logits[long(j) * ld + s];
             if (p != 0.f) axpy(p, values + row_of(a, s) * v_step, out + long(j) * a.v_dim, a.v_dim);
         }
 }

@@ -150,12 +150,14 @@ bool arrange(const float* x, int cols, float* out) {
 }
 
 // One 4-row tile of bf16 weights against N tokens sharing its loads: y[i][k] = dot(row r + k, x[i]).
+// Each lane adds a chunk's even product, then its odd one, into one accumulator: half the
+// accumulators of keeping them apart, so two tokens share each weight load.
 template <int N>
 void bf16_tile(const uint16_t* tile, int cols, const float* const* x, float (*y)[kTileRows]) {
     const __m256i high = _mm256_set1_epi32(int(0xffff0000u));
-    __m256 even_acc[N][kTileRows], odd_acc[N][kTileRows];
+    __m256 acc[N][kTileRows];
     for (int i = 0; i < N; ++i)
-        for (int k = 0; k < kTileRows; ++k) even_acc[i][k] = odd_acc[i][k] = _mm256_setzero_ps();
+        for (int k = 0; k < kTileRows; ++k) acc[i][k] = _mm256_setzero_ps();
     for (int c = 0; c < cols; c += kChunk, tile += kTileRows * kChunk) {
         _mm_prefetch(reinterpret_cast<const char*>(tile) + kPrefetch, _MM_HINT_T0);
         _mm_prefetch(reinterpret_cast<const char*>(tile) + kPrefetch + 64, _MM_HINT_T0);
@@ -165,27 +167,22 @@ void bf16_tile(const uint16_t* tile, int cols, const float* const* x, float (*y)
             const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + k * kChunk));
             const __m256 even_w = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
             const __m256 odd_w = _mm256_castsi256_ps(_mm256_and_si256(v, high));
-            for (int i = 0; i < N; ++i) {
-                even_acc[i][k] = _mm256_fmadd_ps(even_w, even[i], even_acc[i][k]);
-                odd_acc[i][k] = _mm256_fmadd_ps(odd_w, odd[i], odd_acc[i][k]);
-            }
+            for (int i = 0; i < N; ++i) acc[i][k] = _mm256_fmadd_ps(odd_w, odd[i], _mm256_fmadd_ps(even_w, even[i], acc[i][k]));
         }
     }
     for (int i = 0; i < N; ++i)
-        for (int k = 0; k < kTileRows; ++k) y[i][k] = hsum(_mm256_add_ps(even_acc[i][k], odd_acc[i][k]));
+        for (int k = 0; k < kTileRows; ++k) y[i][k] = hsum(acc[i][k]);
 }
 #endif
 
 // Tokens sharing a bf16 tile's loads, as many as their accumulators leave registers for:
 // vdpbf16ps 24 (4 rows x 6 tokens, hi and lo parts summed in one) of AVX-512's 32, which keeps both
-// of Zen 4's bf16 pipes busy; the fp32 FMA path 16 (4 rows x 2 tokens x even and odd columns);
-// AVX2's 16 registers one token's 8.
+// of Zen 4's bf16 pipes busy; the fp32 FMA path 8 (4 rows x 2 tokens), leaving AVX2's other 8
+// registers for the two tokens' even and odd columns and the weights.
 #if defined(TANDEM_SIMD_BF16)
 constexpr int kBf16Tokens = 6;
-#elif defined(__AVX512F__)
-constexpr int kBf16Tokens = 2;
 #else
-constexpr int kBf16Tokens = 1;
+constexpr int kBf16Tokens = 2;
 #endif
 
 template <int N>

@@ -27,12 +27,12 @@ GROUPED_MAX_TOKENS = 16
 
 
 def _native_attend(q, k, v, mask, scale: float, sinks: torch.Tensor | None, pool) -> torch.Tensor | None:
-    """A few new tokens' float32 attention on the CPU in one native call on the dense linears' pool
-    (torch's grouped path is about twenty small ops a layer, most of a decode step's attention);
-    None where it does not apply: no pool (float linears: torch has the cores), another dtype or
-    device, a long chunk."""
-    if (pool is None or q.device.type != "cpu" or q.shape[0] > GROUPED_MAX_TOKENS
-            or not all(t.dtype == torch.float32 for t in (q, k, v))):
+    """float32 attention on the CPU in one native call on the dense linears' pool (torch's grouped
+    path is about twenty small ops a layer, most of a decode step's attention), for chunks of every
+    length: each token's heads are computed on their own, so a prompt token's result is the same in
+    whichever chunk it arrives (chunked prefill keeps batched == alone). None where it does not
+    apply: no pool (float linears: torch has the cores), another dtype or device."""
+    if pool is None or q.device.type != "cpu" or not all(t.dtype == torch.float32 for t in (q, k, v)):
         return None
     out = torch.empty((q.shape[0], q.shape[1] * v.shape[2]), dtype=torch.float32)
     _native.attend(q.detach().numpy(), k.detach().contiguous().numpy(), v.detach().contiguous().numpy(),

@@ -87,7 +87,7 @@ def grouped_masks(t, s, gen):
 
 
 @pytest.mark.parametrize("heads,kv_heads,t,s,head_stride", [(16, 4, 1, 40, 64), (8, 8, 3, 17, 64), (6, 2, 16, 300, 64),
-                                                             (8, 1, 1, 33, 64), (4, 2, 2, 20, 72)])
+                                                             (8, 1, 1, 33, 64), (4, 2, 2, 20, 72), (8, 2, 40, 60, 64)])
 def test_native_attention_matches_torchs(gen, heads, kv_heads, t, s, head_stride):
     """Query heads side by side in a projection's output (or head_stride apart); one key/value head's
     group split across the threads where there are fewer groups than threads."""
@@ -115,15 +115,25 @@ def test_native_attention_gives_a_head_the_same_bits_whichever_heads_share_its_t
     assert all(torch.equal(o[:1], outs[0]) for o in outs)
 
 
+def test_a_prompt_token_gets_the_same_attention_bits_in_whichever_chunk_it_arrives(gen):
+    """Chunked prefill: a 40-token prompt at once, or as 24 + 3 + 13 tokens (chunks on both sides of
+    the decode-sized limit) over the cache filled so far, gives each token the same bits."""
+    s = 40
+    q, k, v = torch.randn(s, 8, 64, generator=gen), torch.randn(s, 2, 64, generator=gen), torch.randn(s, 2, 48, generator=gen)
+    causal = torch.ones(s, s, dtype=torch.bool).tril()
+    whole = attention._attend(q, k, v, causal, 0.125, shared_pool(2))
+    for a, b in ((0, 24), (24, 27), (27, 40)):
+        chunk = attention._attend(q[a:b], k[:b], v[:b], causal[a:b, :b], 0.125, shared_pool(2))
+        assert torch.equal(chunk, whole[a:b])
+
+
 def test_attention_stays_in_torch_where_native_does_not_apply(gen):
-    """bfloat16, a long chunk or no pool: torch's path, whose result is the same function."""
+    """bfloat16 or no pool: torch's path, whose result is the same function."""
     pool, s = shared_pool(2), 40
     q, k, v = (torch.randn(1, 4, 32, generator=gen), torch.randn(s, 2, 32, generator=gen), torch.randn(s, 2, 32, generator=gen))
     mask = torch.ones(1, s, dtype=torch.bool)
     assert attention._native_attend(q.bfloat16(), k.bfloat16(), v.bfloat16(), mask, 0.1, None, pool) is None
     assert attention._native_attend(q, k, v, mask, 0.1, None, None) is None
-    long_q = torch.randn(attention.GROUPED_MAX_TOKENS + 1, 4, 32, generator=gen)
-    assert attention._native_attend(long_q, k, v, mask.expand(long_q.shape[0], s), 0.1, None, pool) is None
 
 
 def test_an_exact_linear_gives_each_row_the_same_bits_in_any_batch(gen):

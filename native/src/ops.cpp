@@ -11,25 +11,6 @@ namespace {
 
 constexpr int kLanes = 16;  // independent partial sums, so the compiler can vectorize a reduction
 
-// Four floats as one value (GCC's vector extension: SSE on the baseline this file is built for).
-typedef float v4 __attribute__((vector_size(16)));
-
-inline v4 load4(const float* p) {
-    v4 v;
-    __builtin_memcpy(&v, p, sizeof v);
-    return v;
-}
-
-inline void store4(float* p, v4 v) { __builtin_memcpy(p, &v, sizeof v); }
-
-// y[i] += p x[i]
-void axpy(float p, const float* x, float* y, int n) {
-    const v4 pv = {p, p, p, p};
-    int i = 0;
-    for (; i + 4 <= n; i += 4) store4(y + i, load4(y + i) + pv * load4(x + i));
-    for (; i < n; ++i) y[i] += p * x[i];
-}
-
 // A head's logits [S] over its cache -> its probabilities: scaled, masked, softmax (the head's sink
 // joining it as one more logit with no value).
 // S: the positions up to the token's last seen one (the ones after it would add exact zeros).
@@ -79,11 +60,10 @@ void attend_heads(const KernelTable& k, const AttendArgs& a, int t, int h0, int 
     float* out = a.out + (long(t) * a.heads + h0) * a.v_dim;
     std::fill(out, out + long(n) * a.v_dim, 0.f);
     const float* values = a.v + long(g) * a.v_dim;
-    for (int s = 0; s < S; ++s)
-        for (int j = 0; j < n; ++j) {
-            const float p = logits[long(j) * ld + s];
-            if (p != 0.f) axpy(p, values + row_of(a, s) * v_step, out + long(j) * a.v_dim, a.v_dim);
-        }
+    for (int s0 = 0, s1; s0 < S; s0 = s1) {
+        s1 = a.slots ? run_end(a.slots, s0, S) : S;
+        k.weigh_rows(logits + s0, n, ld, values + row_of(a, s0) * v_step, v_step, s1 - s0, out, a.v_dim, a.v_dim);
+    }
 }
 
 }  // namespace

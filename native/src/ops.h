@@ -57,7 +57,7 @@ struct AttendArgs {
 
 // out[t, h] = softmax_s(scale * q[t, h] . k[s, h / g] where mask[t, s]) . v[s, h / g], g = H / Hkv,
 // each head of each token on its own (its result does not depend on the batch around it), the query
-// products by the variant's dot_rows; from inside a job on `pool`.
+// products by the variant's dot_rows, the values' by its weigh_rows; from inside a job on `pool`.
 void attend(ThreadPool& pool, const KernelTable& k, const AttendArgs& a);
 
 }  // namespace tandem

@@ -57,6 +57,11 @@ using SwigluOaiFn = void (*)(const float* gate_up, int intermediate, float alpha
 // value summed in one fixed order whatever the rows around it (an exact small linear: a router's; a few
 // query heads against their cached keys).
 using DotRowsFn = void (*)(const float* x, int rows, int in, const float* w, long ldw, int outs, float* y, int ldy);
+// y[m * ldy + d] += sum over o < outs, in order, of p[m * ldp + o] * v[o * ldv + d] for m < rows,
+// d < cols, float32, one multiply-add a term: each value's arithmetic fixed whatever the rows and
+// outs around it (query heads' probabilities against their cached values, a run of positions a call).
+using WeighRowsFn = void (*)(const float* p, int rows, long ldp, const float* v, long ldv, int outs, float* y, int ldy,
+                             int cols);
 
 struct KernelTable {
     const char* name;
@@ -66,6 +71,7 @@ struct KernelTable {
     SiluMulFn silu_mul;
     SwigluOaiFn swiglu_oai;
     DotRowsFn dot_rows;
+    WeighRowsFn weigh_rows;
     // Where matmul's arithmetic for a token depends on how many tokens share the call (AMX's bf16
     // tiles from 16 tokens), a kernel whose does not, for dense linears; null: matmul's does not.
     MatmulFn invariant[kFormats] = {};

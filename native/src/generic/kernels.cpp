@@ -111,11 +111,21 @@ void dot_rows(const float* x, int rows, int in, const float* w, long ldw, int ou
         }
 }
 
+void weigh_rows(const float* p, int rows, long ldp, const float* v, long ldv, int outs, float* y, int ldy, int cols) {
+    for (int m = 0; m < rows; ++m)
+        for (int o = 0; o < outs; ++o) {
+            const float w = p[long(m) * ldp + o];
+            const float* vo = v + o * ldv;
+            float* ym = y + long(m) * ldy;
+            for (int d = 0; d < cols; ++d) ym[d] = std::fma(w, vo[d], ym[d]);
+        }
+}
+
 }  // namespace
 
 const KernelTable& generic_kernels() {
     static const KernelTable table{"generic", {matmul_bf16, matmul_int8, matmul_int4, matmul_int4_asym}, quantize, arrange,
-                                   silu_mul, swiglu_oai, dot_rows};
+                                   silu_mul, swiglu_oai, dot_rows, weigh_rows};
     return table;
 }
 

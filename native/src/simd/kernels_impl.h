@@ -545,10 +545,52 @@ void dot_rows(const float* x, int rows, int in, const float* w, long ldw, int ou
     }
 }
 
+// Two rows' 32 columns stay in registers through a run of outs (each value one fma a term, in order
+// of o, as generic's): the 8 accumulators, 4 value loads and 2 broadcasts fit AVX2's 16 registers.
+void weigh_rows(const float* p, int rows, long ldp, const float* v, long ldv, int outs, float* y, int ldy, int cols) {
+    constexpr int kCols = 32, kRows = 2;
+    int d = 0;
+    for (; d + kCols <= cols; d += kCols) {
+        int m = 0;
+        for (; m + kRows <= rows; m += kRows) {
+            float *y0 = y + long(m) * ldy + d, *y1 = y0 + ldy;
+            const float *p0 = p + long(m) * ldp, *p1 = p0 + ldp;
+            __m256 a0[4], a1[4];
+            for (int j = 0; j < 4; ++j) a0[j] = _mm256_loadu_ps(y0 + 8 * j), a1[j] = _mm256_loadu_ps(y1 + 8 * j);
+            for (int o = 0; o < outs; ++o) {
+                const float* vo = v + o * ldv + d;
+                const __m256 w0 = _mm256_set1_ps(p0[o]), w1 = _mm256_set1_ps(p1[o]);
+                for (int j = 0; j < 4; ++j) {
+                    const __m256 x = _mm256_loadu_ps(vo + 8 * j);
+                    a0[j] = _mm256_fmadd_ps(w0, x, a0[j]);
+                    a1[j] = _mm256_fmadd_ps(w1, x, a1[j]);
+                }
+            }
+            for (int j = 0; j < 4; ++j) _mm256_storeu_ps(y0 + 8 * j, a0[j]), _mm256_storeu_ps(y1 + 8 * j, a1[j]);
+        }
+        for (; m < rows; ++m) {
+            float* y0 = y + long(m) * ldy + d;
+            const float* p0 = p + long(m) * ldp;
+            __m256 a0[4];
+            for (int j = 0; j < 4; ++j) a0[j] = _mm256_loadu_ps(y0 + 8 * j);
+            for (int o = 0; o < outs; ++o) {
+                const __m256 w0 = _mm256_set1_ps(p0[o]);
+                for (int j = 0; j < 4; ++j) a0[j] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(v + o * ldv + d + 8 * j), a0[j]);
+            }
+            for (int j = 0; j < 4; ++j) _mm256_storeu_ps(y0 + 8 * j, a0[j]);
+        }
+    }
+    for (int m = 0; m < rows; ++m)  // the last cols % 32 columns
+        for (int o = 0; o < outs; ++o) {
+            const float w = p[long(m) * ldp + o];
+            for (int c = d; c < cols; ++c) y[long(m) * ldy + c] = std::fma(w, v[o * ldv + c], y[long(m) * ldy + c]);
+        }
+}
+
 // The kernel table of the including variant.
 KernelTable simd_table(const char* name) {
     return {name, {matmul_bf16, matmul_int8, matmul_int4, matmul_int4_asym}, quantize, arrange, silu_mul, swiglu_oai,
-            dot_rows};
+            dot_rows, weigh_rows};
 }
 
 }  // namespace

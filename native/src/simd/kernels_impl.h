@@ -32,6 +32,17 @@ namespace tandem {
 namespace {
 
 constexpr int kPrefetch = 2048;  // bytes ahead in the weight stream
+
+// Weight streams a one-token call (decode) reads side by side, each a run of consecutive tiles.
+// On AVX2 machines one stream and its software prefetch keep too few lines in flight: a Zen 2 read
+// int4 weights at 0.76-0.82 of the read bandwidth that way (int8 0.74), and at 0.90-1.05 (int8
+// 1.04-1.27) with four runs, which the hardware prefetchers follow on their own. AVX-512 machines
+// (Zen 4) read at 0.94-0.99 with one.
+#if defined(__AVX512F__)
+constexpr int kDecodeStreams = 1;
+#else
+constexpr int kDecodeStreams = 4;
+#endif
 #if defined(__AVX512F__)
 constexpr int kTokensPerLoad = 4;  // 16 accumulators fit the 32 registers
 #else
@@ -149,29 +160,36 @@ bool arrange(const float* x, int cols, float* out) {
     return false;
 }
 
-// One 4-row tile of bf16 weights against N tokens sharing its loads: y[i][k] = dot(row r + k, x[i]).
-// Each lane adds a chunk's even product, then its odd one, into one accumulator: half the
-// accumulators of keeping them apart, so two tokens share each weight load.
-template <int N>
-void bf16_tile(const uint16_t* tile, int cols, const float* const* x, float (*y)[kTileRows]) {
+// S 4-row tiles of bf16 weights (tile t at tile + t * stride) against N tokens sharing their loads:
+// y[i][4 t + k] = dot(row k of tile t, x[i]). Each lane adds a chunk's even product, then its odd
+// one, into one accumulator (half the accumulators of keeping them apart, so two tokens share each
+// weight load); a tile's arithmetic is the same whatever N and S (batch invariance). S > 1: a lone
+// token reads S weight streams side by side (kDecodeStreams).
+template <int N, int S = 1>
+void bf16_tile(const uint16_t* tile, int64_t stride, int cols, const float* const* x, float (*y)[S * kTileRows]) {
     const __m256i high = _mm256_set1_epi32(int(0xffff0000u));
-    __m256 acc[N][kTileRows];
+    __m256 acc[N][S * kTileRows];
     for (int i = 0; i < N; ++i)
-        for (int k = 0; k < kTileRows; ++k) acc[i][k] = _mm256_setzero_ps();
+        for (int k = 0; k < S * kTileRows; ++k) acc[i][k] = _mm256_setzero_ps();
     for (int c = 0; c < cols; c += kChunk, tile += kTileRows * kChunk) {
-        _mm_prefetch(reinterpret_cast<const char*>(tile) + kPrefetch, _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(tile) + kPrefetch + 64, _MM_HINT_T0);
         __m256 even[N], odd[N];
         for (int i = 0; i < N; ++i) even[i] = _mm256_loadu_ps(x[i] + c), odd[i] = _mm256_loadu_ps(x[i] + c + kChunk / 2);
-        for (int k = 0; k < kTileRows; ++k) {
-            const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + k * kChunk));
-            const __m256 even_w = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
-            const __m256 odd_w = _mm256_castsi256_ps(_mm256_and_si256(v, high));
-            for (int i = 0; i < N; ++i) acc[i][k] = _mm256_fmadd_ps(odd_w, odd[i], _mm256_fmadd_ps(even_w, even[i], acc[i][k]));
+        for (int t = 0; t < S; ++t) {
+            const uint16_t* rows = tile + t * stride;
+            _mm_prefetch(reinterpret_cast<const char*>(rows) + kPrefetch, _MM_HINT_T0);
+            _mm_prefetch(reinterpret_cast<const char*>(rows) + kPrefetch + 64, _MM_HINT_T0);
+            for (int k = 0; k < kTileRows; ++k) {
+                const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows + k * kChunk));
+                const __m256 even_w = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+                const __m256 odd_w = _mm256_castsi256_ps(_mm256_and_si256(v, high));
+                for (int i = 0; i < N; ++i)
+                    acc[i][t * kTileRows + k] =
+                        _mm256_fmadd_ps(odd_w, odd[i], _mm256_fmadd_ps(even_w, even[i], acc[i][t * kTileRows + k]));
+            }
         }
     }
     for (int i = 0; i < N; ++i)
-        for (int k = 0; k < kTileRows; ++k) y[i][k] = hsum(acc[i][k]);
+        for (int k = 0; k < S * kTileRows; ++k) y[i][k] = hsum(acc[i][k]);
 }
 #endif
 
@@ -196,7 +214,7 @@ void bf16_tokens(const uint16_t* tile, const Matrix& w, const Activations& x, in
     if (exact) bf16_tile<N, false>(tile, w.cols, rows, out);
     else bf16_tile<N, true>(tile, w.cols, rows, out);
 #else
-    bf16_tile<N>(tile, w.cols, rows, out);
+    bf16_tile<N>(tile, 0, w.cols, rows, out);
 #endif
     for (int t = 0; t < N; ++t)
         for (int k = 0; k < kTileRows; ++k) y[int64_t(i + t) * ldy + k] = out[t][k];
@@ -211,8 +229,33 @@ void bf16_rest(const uint16_t* tile, const Matrix& w, const Activations& x, int 
     }
 }
 
+#if !defined(TANDEM_SIMD_BF16)
+// A lone token's rows as two weight streams side by side (kDecodeStreams; two, as a stream's four
+// accumulators take a quarter of AVX2's registers): run tiles of each. Returns the first row left
+// (the leftover tiles go one at a time).
+int bf16_streams(const Matrix& w, int r0, int r1, const float* x, float* y) {
+    constexpr int S = kDecodeStreams > 1 ? 2 : 1;
+    const int run = (r1 - r0) / (kTileRows * S);
+    if (S == 1 || run == 0) return r0;
+    const auto at = [&](int r) { return reinterpret_cast<const uint16_t*>(block_at(w, r, 0)); };
+    const int64_t stride = at(r0 + run * kTileRows) - at(r0);
+    for (int j = 0; j < run; ++j) {
+        const int r = r0 + j * kTileRows;
+        float out[1][S * kTileRows];
+        bf16_tile<1, S>(at(r), stride, w.cols, &x, out);
+        for (int t = 0; t < S; ++t)
+            for (int k = 0; k < kTileRows; ++k) y[r - r0 + t * run * kTileRows + k] = out[0][t * kTileRows + k];
+    }
+    return r0 + run * S * kTileRows;
+}
+#endif
+
 void matmul_bf16(const Matrix& w, int r0, int r1, const Activations& x, int n, float* y, int ldy) {
-    for (int r = r0; r < r1; r += kTileRows) {
+    int first = r0;
+#if !defined(TANDEM_SIMD_BF16)
+    if (n == 1) first = bf16_streams(w, r0, r1, x.f + x.row(0) * x.cols, y);
+#endif
+    for (int r = first; r < r1; r += kTileRows) {
         const uint16_t* tile = reinterpret_cast<const uint16_t*>(block_at(w, r, 0));
         int i = 0;
         for (; i + kBf16Tokens <= n; i += kBf16Tokens) bf16_tokens<kBf16Tokens>(tile, w, x, i, y + (r - r0), ldy);
@@ -289,17 +332,6 @@ struct ScaleWalk {
         if (--left == 0) at += kIntTileRows, left = per_group;
     }
 };
-
-// Weight streams a one-token call (decode) reads side by side, each a run of consecutive tiles.
-// On AVX2 machines one stream and its software prefetch keep too few lines in flight: a Zen 2 read
-// int4 weights at 0.76-0.82 of the read bandwidth that way (int8 0.74), and at 0.90-1.05 (int8
-// 1.04-1.27) with four runs, which the hardware prefetchers follow on their own. AVX-512 machines
-// (Zen 4) read at 0.94-0.99 with one.
-#if defined(__AVX512F__)
-constexpr int kDecodeStreams = 1;
-#else
-constexpr int kDecodeStreams = 4;
-#endif
 
 // Rows of S tiles (format F) against N tokens: tile k is the stride-th tile after tile k - 1, from
 // row r, and y[i * ldy + 16 stride k + j] = dot(row j of tile k, token i).

@@ -67,9 +67,12 @@ class MoeDecoder:
     def __init__(self, cfg: ModelConfig, w: WeightLoader, experts: ExpertBackend):
         d, v = cfg.hidden_size, cfg.vocab_size
         self.cfg, self.dtype, self.device = cfg, w.dtype, w.device
-        # packed dense linears leave torch only small ops at decode: it runs them on one thread, so
-        # that no worker of its own spins against the native pool's helpers on the same cores
-        self.decode_threads = 1 if w.weights != "float" else None
+        # packed dense linears leave torch only small ops at decode, and with float32 activations at
+        # prefill too (attention is native then): it runs them on one thread, so that no worker of
+        # its own spins against the native pool's helpers on the same cores
+        packed = w.weights != "float"
+        self.decode_threads = 1 if packed else None
+        self.prefill_threads = 1 if packed and w.dtype == torch.float32 else None
         self.experts = experts
         self.rotary = Rotary(cfg.rope, w.device)
         self.embed = w.tensor("model.embed_tokens.weight", (v, d))
@@ -95,8 +98,9 @@ class MoeDecoder:
     def forward_batch(self, chunks: list["Chunk"], logit_rows: list[int]) -> torch.Tensor:
         """Chunks of several sequences in one step -> logits [R, V] float32 of the batch rows asked."""
         decode = sum(len(c.tokens) for c in chunks) <= DECODE_TOKENS
-        if self.decode_threads and decode:
-            with torch_threads(self.decode_threads):
+        threads = self.decode_threads if decode else self.prefill_threads
+        if threads:
+            with torch_threads(threads):
                 return self._forward_batch(chunks, logit_rows)
         return self._forward_batch(chunks, logit_rows)
 

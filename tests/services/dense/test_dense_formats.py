@@ -156,12 +156,15 @@ def test_packed_dense_weights_refuse_a_gpu_and_unknown_formats():
         DenseRuntime("float32", "cpu", "int8", threads=0)
 
 
-def test_a_decode_step_runs_torch_on_one_thread_and_gives_the_count_back():
+@pytest.mark.parametrize("dtype, prefill_threads", [("float32", 1), ("bfloat16", 2)])
+def test_packed_steps_run_torch_on_one_thread_and_give_the_count_back(dtype, prefill_threads):
     """With packed linears a decode step's torch ops run on one thread (no torch worker spinning
-    against the native pool's); the process's own setting is back after the step."""
+    against the native pool's), and a prompt chunk's too where attention is native (float32); in
+    bfloat16 torch attends to a prompt chunk on the process's threads. The process's own setting
+    is back after each step."""
     from tests.checkpoints import checkpoint
 
-    model = packed_model(checkpoint("qwen3_moe"), "int8")
+    model = load_model(checkpoint("qwen3_moe"), DenseRuntime(dtype, "cpu", "int8", threads=2))[0]
     seen = []
     inner = model._forward_batch
 
@@ -176,7 +179,7 @@ def test_a_decode_step_runs_torch_on_one_thread_and_gives_the_count_back():
         cache = model.new_cache(40)
         model.forward(TOKENS[:30], cache)
         model.forward(TOKENS[30:31], cache)
-        assert seen == [2, 1] and torch.get_num_threads() == 2
+        assert seen == [prefill_threads, 1] and torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
 

@@ -556,7 +556,7 @@ inline float dot_f32(const float* x, const float* w, int in) {
 }
 
 // Four rows against two outputs at a time: 6 loads for 8 fmas (four rows against one: 5 for 4); a
-// value's arithmetic is dot_f32's either way.
+// value's arithmetic is dot_f32's either way, as for the rows and the output left over.
 void dot_rows(const float* x, int rows, int in, const float* w, long ldw, int outs, float* y, int ldy) {
     int o = 0;
     for (; o + 2 <= outs; o += 2, w += 2 * ldw) {
@@ -585,24 +585,8 @@ void dot_rows(const float* x, int rows, int in, const float* w, long ldw, int ou
             y[long(m) * ldy + o + 1] = dot_f32(x + long(m) * in, w1, in);
         }
     }
-    for (; o < outs; ++o, w += ldw) {
-        int m = 0;
-        for (; m + 4 <= rows; m += 4) {
-            const float *x0 = x + long(m) * in, *x1 = x0 + in, *x2 = x1 + in, *x3 = x2 + in;
-            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-            int i = 0;
-            for (; i + 8 <= in; i += 8) {
-                const __m256 wv = _mm256_loadu_ps(w + i);
-                a0 = _mm256_fmadd_ps(_mm256_loadu_ps(x0 + i), wv, a0);
-                a1 = _mm256_fmadd_ps(_mm256_loadu_ps(x1 + i), wv, a1);
-                a2 = _mm256_fmadd_ps(_mm256_loadu_ps(x2 + i), wv, a2);
-                a3 = _mm256_fmadd_ps(_mm256_loadu_ps(x3 + i), wv, a3);
-            }
-            const __m256 accs[4] = {a0, a1, a2, a3};
-            for (int j = 0; j < 4; ++j) y[long(m + j) * ldy + o] = dot_tail(accs[j], x + long(m + j) * in, w, i, in);
-        }
-        for (; m < rows; ++m) y[long(m) * ldy + o] = dot_f32(x + long(m) * in, w, in);
-    }
+    if (o < outs)
+        for (int m = 0; m < rows; ++m) y[long(m) * ldy + o] = dot_f32(x + long(m) * in, w, in);
 }
 
 // Two rows' 32 columns stay in registers through a run of outs (each value one fma a term, in order

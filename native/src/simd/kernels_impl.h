@@ -442,7 +442,7 @@ void int4_tile(const Matrix& w, int r, int stride, const TokenRows<N>& t, float*
 // Prefill: a tile's int4 steps unpacked once for all its tokens ([blocks][steps][halves][lo, hi], 4 KiB
 // per 256 columns: L1 or L2), which then go kUnpackedTokens at a time with int4_tile's arithmetic (the
 // registers the table and mask took hold a third token's sums). On a Zen 3, one thread per core, both
-// builds side by side: a 512-token int4 layer call (qwen3 shape) 0.89-0.94x the time of int4_tile's
+// builds side by side: a 512-token int4 layer call (qwen3 shape) 0.87-0.96x the time of int4_tile's
 // 2 tokens at a time; 4 tokens were no faster than 3 there (AVX-512's 32 registers: not measured).
 constexpr int kUnpackFrom = 4;  // tokens of a call from which its tiles are unpacked once
 constexpr int kUnpackedTokens = 3;
@@ -533,14 +533,11 @@ void matmul_int4(const Matrix& w, int r0, int r1, const Activations& x, int n, f
         return;
     }
     thread_local std::vector<__m256i> unpacked;
-    for (int r = r0; r < r1; r += kIntTileRows) {
+    for (int r = r0; r < r1; r += kIntTileRows) {  // one tile's tokens at a time (n > 1: no decode streams)
         unpack_int4_tile(w, r, unpacked);
-        float* yr = y + (r - r0);
-        int i = 0;
-        for (; i + kUnpackedTokens <= n; i += kUnpackedTokens)
-            int4_unpacked_tile<kUnpackedTokens>(w, r, unpacked.data(), TokenRows<kUnpackedTokens>(x, i), yr + int64_t(i) * ldy, ldy);
-        for (; i + 2 <= n; i += 2) int4_unpacked_tile<2>(w, r, unpacked.data(), TokenRows<2>(x, i), yr + int64_t(i) * ldy, ldy);
-        if (i < n) int4_unpacked_tile<1>(w, r, unpacked.data(), TokenRows<1>(x, i), yr + int64_t(i) * ldy, ldy);
+        by_tiles<kUnpackedTokens>(r, r + kIntTileRows, n, y + (r - r0), ldy, [&](auto N, auto, int, int, int i, float* yi) {
+            int4_unpacked_tile<decltype(N)::value>(w, r, unpacked.data(), TokenRows<decltype(N)::value>(x, i), yi, ldy);
+        });
     }
 }
 

@@ -175,8 +175,9 @@ def remote(model_cfg, address: str, transport: str, grpc_client: str = "auto"):
 
 
 class _EchoKernels:
-    """Stands in for the tandem_native module inside a NativeExperts: moe_submit does what the echo
-    server does (out[...] = x) and hands back a finished job; everything else is the backend's own."""
+    """Stands in for the tandem_native module inside a NativeExperts: moe_forward (the CPU path's
+    call) and moe_submit (a GPU's, handing back a finished job) do what the echo server does
+    (out[...] = x); everything else is the backend's own."""
 
     class _Done:
         def wait(self) -> None:
@@ -184,8 +185,11 @@ class _EchoKernels:
 
     _DONE = _Done()
 
-    def moe_submit(self, layer, x, ids, weights, out, pool):
+    def moe_forward(self, layer, x, ids, weights, out, pool):
         out[...] = x
+
+    def moe_submit(self, layer, x, ids, weights, out, pool):
+        self.moe_forward(layer, x, ids, weights, out, pool)
         return self._DONE
 
 

@@ -1,10 +1,10 @@
 """The server side of a co-located session: a thread that answers doorbells in a mapped segment.
 
 Each call is read, checked (errors name the descriptor's field), computed and answered inside
-tandem_native.ShmServer, without the GIL; this thread only loops and records the call's span after
-the answer has gone. The gRPC OpenSession stream supervises it: when the stream ends (the client
-closed it, died, or the server drains), the thread finishes the call in hand, stops, unmaps, and
-removes the segment's name if the client had not yet.
+tandem_native.ShmServer, without the GIL; this thread only loops, marks the session's activity and
+records a traced call's span after the answer has gone. The gRPC OpenSession stream supervises it:
+when the stream ends (the client closed it, died, or the server drains), the thread finishes the
+call in hand, stops, unmaps, and removes the segment's name if the client had not yet.
 """
 
 from __future__ import annotations
@@ -19,6 +19,11 @@ from services.common import shm_layout as shm
 
 log = logging.getLogger(__name__)
 OK, INVALID_ARGUMENT = 0, 3
+# A serve_next answers the calls that come within this long of its first without Python between them:
+# after an answer this thread waits for the next call at once, not after a pass through the loop
+# below, which ran while the caller computed its next layer and took a core from it. The activity
+# marks (what a drain watches) stay this fresh.
+HOLD_S = 0.05
 
 
 class ShmSession:
@@ -51,7 +56,7 @@ class ShmSession:
 
     def _serve(self) -> None:
         while True:
-            answered = self._native.serve_next(0.5)
+            answered = self._native.serve_next(0.5, HOLD_S)
             if answered is not None:
                 status, layer, tokens, start_ns, end_ns, traceparent, each = answered
                 self.activity.mark()

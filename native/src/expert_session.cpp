@@ -15,9 +15,9 @@
 #include <pybind11/numpy.h>
 #include <pybind11/stl.h>
 
-#include <sched.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <map>
@@ -322,24 +322,30 @@ public:
         seen_ = bell_load(map_.word(layout::kRequestSeq));
     }
 
-    // Waits up to timeout_s for a call and answers it. None when no call came (a timeout or a wake);
-    // else (status, layer, tokens, start_ns, end_ns, traceparent, trace_each) of the call answered.
-    py::object serve_next(double timeout_s) {
+    // Waits up to timeout_s for a call and answers it; then, until hold_s after that answer, answers
+    // the calls that follow too, without going back to Python between them (a traced or failed call
+    // returns at once, for its span or its log line). None when no call came (a timeout or a wake);
+    // else (status, layer, tokens, start_ns, end_ns, traceparent, trace_each) of the last call answered.
+    py::object serve_next(double timeout_s, double hold_s) {
         check_wait(0, timeout_s);
-        const Bell request = map_.request(), response = map_.response();
+        if (!(hold_s >= 0) || !std::isfinite(hold_s)) throw Invalid("hold_s must be finite and >= 0");
+        const Bell request = map_.request();
         Mapping::Busy busy(map_);
         bool called = false;
         {
             py::gil_scoped_release release;
-            const uint32_t seq = spin_.wait(request, seen_, spin_us_, timeout_s);
-            if (seq != seen_) {  // a call published before a stop is still answered (the drain)
-                seen_ = seq, called = true;
-                answer();
-                // the cores go back to the caller until its next call; the helpers wait for its prewake
-                const uint32_t* prewake = map_.word(layout::kPrewake);
-                ex_->park_on(prewake, bell_load(prewake), kPrewakeParkS);
-                bell_ring(response, seq);
-                sched_yield();  // the caller, woken onto this core, runs now rather than after this thread
+            using clock = std::chrono::steady_clock;
+            clock::time_point hold_end;
+            for (double wait_s = timeout_s; wait_s > 0;) {
+                const uint32_t seq = spin_.wait(request, seen_, spin_us_, wait_s);
+                if (seq == seen_) break;  // a timeout or a wake (a call published before a stop is still answered)
+                seen_ = seq;
+                serve(seq);
+                if (!called) hold_end = clock::now() + std::chrono::duration_cast<clock::duration>(
+                                                           std::chrono::duration<double>(hold_s));
+                called = true;
+                if (last_.trace_len || (last_.status != layout::kOk && last_.status != layout::kInvalidArgument)) break;
+                wait_s = std::chrono::duration<double>(hold_end - clock::now()).count();
             }
         }
         if (!called) return py::none();
@@ -362,6 +368,15 @@ private:
         size_t trace_len = 0;
         bool trace_each = false;
     };
+
+    // Answers call seq and rings its caller; the cores go back to the caller until its next call, the
+    // helpers waiting for its prewake and this thread (back in serve_next's wait) for the call.
+    void serve(uint32_t seq) {
+        answer();
+        const uint32_t* prewake = map_.word(layout::kPrewake);
+        ex_->park_on(prewake, bell_load(prewake), kPrewakeParkS);
+        bell_ring(map_.response(), seq);
+    }
 
     void answer() {
         uint8_t* base = map_.base();
@@ -685,9 +700,10 @@ void register_expert_sessions(py::module_& m) {
     py::class_<ShmServer>(m, "ShmServer")
         .def(py::init<py::buffer, py::object, uint32_t, double>(), py::arg("segment"), py::arg("executor"),
              py::arg("max_tokens"), py::arg("spin_us"))
-        .def("serve_next", &ShmServer::serve_next, py::arg("timeout_s"),
-             "Answers the next call, if one comes within timeout_s: None, or (status, layer, tokens, start_ns, "
-             "end_ns, traceparent, trace_each)")
+        .def("serve_next", &ShmServer::serve_next, py::arg("timeout_s"), py::arg("hold_s") = 0.0,
+             "Answers the next call, if one comes within timeout_s, and those that follow within hold_s of it "
+             "(a traced or failed one returns at once): None, or (status, layer, tokens, start_ns, end_ns, "
+             "traceparent, trace_each) of the last")
         .def("wake", &ShmServer::wake, "Ends a serve_next that is waiting")
         .def("release", &ShmServer::release, "Lets go of the segment");
 

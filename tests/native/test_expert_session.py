@@ -167,6 +167,35 @@ def test_a_call_through_the_segment_equals_the_executor(session, executor):
     assert np.array_equal(outb, expected_b)
 
 
+def test_serve_next_answers_the_calls_within_its_hold_and_returns_a_traced_one_at_once(executor):
+    """With hold_s, one serve_next answers the calls that follow its first within that time without
+    returning (the last one's details come back); a traced call comes back at once, for its span."""
+    s = served_by_the_test(executor)
+    x, ids, w = call(2, seed=6)
+    trace = "00-" + "3" * 32 + "-" + "4" * 16 + "-01"
+    answered = []
+    try:
+        server = threading.Thread(target=lambda: answered.append(s.server.serve_next(5.0, 5.0)))
+        server.start()
+        for layer, status in ((LAYER, 0), (LAYER + 1, 3), (LAYER, 0)):  # a client's mistake is answered in the hold
+            seq = s.client.submit(layer, x, ids, w)
+            assert s.client.wait(seq, 0.0, 5.0) and s.client.result()[0] == status
+        assert server.is_alive()  # still holding for more calls
+        seq = s.client.submit(LAYER, x, ids, w, trace, False)
+        assert s.client.wait(seq, 0.0, 5.0) and s.client.result()[0] == 0
+        server.join(5.0)
+        assert not server.is_alive() and answered[0][:3] == (0, LAYER, 2) and answered[0][5] == trace
+        started = time.perf_counter()
+        assert s.server.serve_next(0.05, 5.0) is None  # no call: the timeout, not the hold, ends it
+        assert time.perf_counter() - started < 1.0
+        with pytest.raises(ValueError, match="hold_s"):
+            s.server.serve_next(0.05, -1.0)
+    finally:
+        s.server.release()
+        s.client.release()
+        s.segment.close()
+
+
 def test_expert_ids_are_checked_on_the_servers_copy(session):
     x, ids, w = call(2)
     ids[0, 1] = -1

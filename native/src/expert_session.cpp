@@ -15,7 +15,6 @@
 #include <pybind11/numpy.h>
 #include <pybind11/stl.h>
 
-
 #include <algorithm>
 #include <chrono>
 #include <cmath>

@@ -88,6 +88,7 @@ class BenchConfig:
     quick: bool
     parts: tuple[str, ...]
     rounds: int
+    stack_rounds: int  # the stack's decode samples are short and this machine's speed drifts: more pairs
     decode_tokens: int
     out: Path
 
@@ -102,7 +103,7 @@ def parse_args(argv=None) -> BenchConfig:
     parts = tuple(x for x in a.parts.split(",") if x)
     if a.threads < 1 or not set(parts) <= set(PARTS):
         p.error(f"--threads must be >= 1 and --parts a subset of {', '.join(PARTS)}")
-    return BenchConfig(a.threads, a.quick, parts, 1 if a.quick else 3, 16 if a.quick else 32, a.out)
+    return BenchConfig(a.threads, a.quick, parts, 1 if a.quick else 3, 1 if a.quick else 9, 16 if a.quick else 32, a.out)
 
 
 # ------------------------------------------------------------------ llama.cpp: venv, GGUF files, worker
@@ -332,19 +333,21 @@ def run_stack(cfg: BenchConfig, models: dict) -> list[dict]:
         stack = TandemStack(path, dense, experts, "float32", cfg.threads)
         inproc, served, cpu = [], [], []
         try:
-            for r in range(cfg.rounds):
-                rest()
-                rate, ms = decode_with_cpu(stack, prompt, cfg.decode_tokens)
-                served.append(rate)
-                cpu.append(ms)
-                rest()
-                inproc.append(warm_decode(models[(dense, experts, "float32")], prompt, cfg.decode_tokens))
+            for r in range(cfg.stack_rounds):
+                for who in ("stack", "inprocess") if r % 2 == 0 else ("inprocess", "stack"):
+                    rest()
+                    if who == "stack":
+                        rate, ms = decode_with_cpu(stack, prompt, cfg.decode_tokens)
+                        served.append(rate)
+                        cpu.append(ms)
+                    else:
+                        inproc.append(warm_decode(models[(dense, experts, "float32")], prompt, cfg.decode_tokens))
                 progress(f"stack round {r + 1}: {dense}/{experts} {served[-1]:.1f} through the stack, "
                          f"{inproc[-1]:.1f} in process")
         finally:
             stack.close()
         rows.append({"dense": dense, "experts": experts, "stack_decode": med(served), "inprocess_decode": med(inproc),
-                     "ratio": med(served) / med(inproc), "samples": {"stack": served, "inprocess": inproc},
+                     "ratio": med([s / i for s, i in zip(served, inproc)]), "samples": {"stack": served, "inprocess": inproc},
                      "cpu_ms_per_token": {name: med([c[name] for c in cpu]) for name in cpu[0]}})
     return rows
 
@@ -396,7 +399,8 @@ def print_report(report: dict) -> None:
             print(f"{r['llama']:>10} {r['dense'] + '/' + r['experts']:>12} | {r['llama_decode']:8.1f} {r['tandem_decode']:8.1f} "
                   f"{r['decode_ratio']:6.2f} | {r['llama_prefill']:8.1f} {r['tandem_prefill']:8.1f} {r['prefill_ratio']:6.2f}")
     if "stack" in report:
-        print("\nthrough the stack (expert server over shared memory, gateway over HTTP) against in process, decode tok/s")
+        print("\nthrough the stack (expert server over shared memory, gateway over HTTP) against in process, decode tok/s"
+              f" (medians of {report['stack_rounds']} rounds, each taking both in turn; ratio: the median of the rounds' ratios)")
         for r in report["stack"]:
             print(f"{r['dense'] + '/' + r['experts']:>12} | stack {r['stack_decode']:8.1f}  in process {r['inprocess_decode']:8.1f}"
                   f"  ratio {r['ratio']:5.2f}")
@@ -421,7 +425,7 @@ def main(argv=None) -> None:
     cfg = parse_args(argv)
     torch.set_num_threads(cfg.threads)
     report: dict = {"machine": machine_info(cfg.threads), "threads": cfg.threads, "rounds": cfg.rounds,
-                    "decode_tokens": cfg.decode_tokens}
+                    "stack_rounds": cfg.stack_rounds, "decode_tokens": cfg.decode_tokens}
     models = {}
     for key in needed_models(cfg):
         progress(f"loading Tandem with {key[0]} dense linears, {key[1]} experts, {key[2]} activations")

@@ -187,7 +187,7 @@ void py_route_softmax_topk(py::array logits, int k, bool normalize, float scale,
 }
 
 void py_attend(py::array q, py::array k, py::array v, py::array mask, float scale, py::object sinks_obj, py::array out,
-               ThreadPool& pool) {
+               ThreadPool& pool, py::object q2_obj, py::object k2_obj) {
     AttendArgs a{};
     a.q = head_view(q, "q", false);
     a.tokens = int(q.shape(0)), a.heads = int(q.shape(1)), a.q_dim = int(q.shape(2));
@@ -206,6 +206,17 @@ void py_attend(py::array q, py::array k, py::array v, py::array mask, float scal
         sinks = sinks_obj.cast<py::array>();
         check_array<float>(sinks, "sinks", "float32", {a.heads});
         a.sinks = static_cast<const float*>(sinks.data());
+    }
+    if (q2_obj.is_none() != k2_obj.is_none()) throw std::invalid_argument("q2, k2: give both or neither");
+    py::array q2, k2;
+    if (!q2_obj.is_none()) {
+        q2 = q2_obj.cast<py::array>(), k2 = k2_obj.cast<py::array>();
+        a.q2 = head_view(q2, "q2", false);
+        if (q2.shape(0) != a.tokens || q2.shape(1) != a.heads)
+            throw std::invalid_argument("q2: shape " + shape_of(q2) + ", should be [T, H, D2] with q's T and H");
+        a.q2_dim = int(q2.shape(2));
+        check_array<float>(k2, "k2", "float32", {a.positions, a.kv_heads, a.q2_dim});
+        a.k2 = static_cast<const float*>(k2.data());
     }
     a.k = static_cast<const float*>(k.data()), a.v = static_cast<const float*>(v.data());
     a.mask = static_cast<const bool*>(mask.data()), a.out = static_cast<float*>(out.mutable_data());
@@ -394,9 +405,10 @@ void register_linear(py::module_& m) {
           "ids [T, k] int64 and weights [T, k] float32 of each row of logits [T, E]: the k most probable experts "
           "after a softmax (ties to the lower id), divided by their sum if normalize, times scale");
     m.def("attend", &py_attend, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("mask"), py::arg("scale"),
-          py::arg("sinks"), py::arg("out"), py::arg("pool"),
+          py::arg("sinks"), py::arg("out"), py::arg("pool"), py::arg("q2") = py::none(), py::arg("k2") = py::none(),
           "out [T, H * Dv] = softmax(scale q k^T, where mask [T, S]; sinks [H] or None) v, q [T, H, Dq] against "
-          "k [S, Hkv, Dq] and v [S, Hkv, Dv], float32: a few new tokens' attention over their cache");
+          "k [S, Hkv, Dq] and v [S, Hkv, Dv], float32: a few new tokens' attention over their cache; with q2 "
+          "[T, H, D2] and k2 [S, Hkv, D2], each logit adds q2 . k2 (MLA's rotary part beside its latent)");
     m.def("add_rms_norm", &py_add_rms_norm, py::arg("h"), py::arg("delta"), py::arg("weight"), py::arg("eps"),
           py::arg("out"), "h [R, C] += delta, then out [R, C] = rms_norm(h) * weight, float32 (a residual add and "
           "the next norm in one call)");

@@ -35,6 +35,22 @@ inline int run_end(const int64_t* slots, int s0, int S) {
     return s1;
 }
 
+// logits[j][s] (row stride ld) = q_j . key s for the n query heads from q (head stride q_head) and
+// positions [0, S) of keys (dim values of head g's part, a row every step floats): each key row
+// read once for all n heads where they lie side by side.
+void dot_keys(const KernelTable& k, const AttendArgs& a, const float* q, long q_head, int n, int dim, const float* keys,
+              long step, int S, float* logits, int ld) {
+    for (int s0 = 0, s1; s0 < S; s0 = s1) {  // runs of positions whose rows follow each other
+        s1 = a.slots ? run_end(a.slots, s0, S) : S;
+        const float* run = keys + row_of(a, s0) * step;
+        if (q_head == dim) {
+            k.dot_rows(q, n, dim, run, step, s1 - s0, logits + s0, ld);
+        } else {
+            for (int j = 0; j < n; ++j) k.dot_rows(q + j * q_head, 1, dim, run, step, s1 - s0, logits + long(j) * ld + s0, ld);
+        }
+    }
+}
+
 // One token's query heads [h0, h1) of one key/value head's group: each cached key and value row is
 // read once for all of them. A head's arithmetic is the same whichever heads share the call.
 // logits: [h1 - h0, positions] scratch.
@@ -43,18 +59,16 @@ void attend_heads(const KernelTable& k, const AttendArgs& a, int t, int h0, int 
     int S = a.positions;  // a prompt chunk's token sees none of the positions after its own
     while (S > 0 && !seen[S - 1]) --S;
     const int n = h1 - h0, ld = a.positions, g = h0 / (a.heads / a.kv_heads);
-    const long k_step = long(a.kv_heads) * a.q_dim, v_step = long(a.kv_heads) * a.v_dim;
-    const float* q = a.q.base + t * a.q.row + h0 * a.q.head;
-    const float* keys = a.k + long(g) * a.q_dim;
-    for (int s0 = 0, s1; s0 < S; s0 = s1) {  // runs of positions whose rows follow each other
-        s1 = a.slots ? run_end(a.slots, s0, S) : S;
-        const float* run = keys + row_of(a, s0) * k_step;
-        if (a.q.head == a.q_dim) {
-            k.dot_rows(q, n, a.q_dim, run, k_step, s1 - s0, logits + s0, ld);
-        } else {
-            for (int j = 0; j < n; ++j)
-                k.dot_rows(q + j * a.q.head, 1, a.q_dim, run, k_step, s1 - s0, logits + long(j) * ld + s0, ld);
-        }
+    const long v_step = long(a.kv_heads) * a.v_dim;
+    dot_keys(k, a, a.q.base + t * a.q.row + h0 * a.q.head, a.q.head, n, a.q_dim, a.k + long(g) * a.q_dim,
+             long(a.kv_heads) * a.q_dim, S, logits, ld);
+    if (a.k2) {  // the keys' second part, summed in after the first
+        thread_local std::vector<float> part;
+        part.resize(size_t(n) * S);
+        dot_keys(k, a, a.q2.base + t * a.q2.row + h0 * a.q2.head, a.q2.head, n, a.q2_dim, a.k2 + long(g) * a.q2_dim,
+                 long(a.kv_heads) * a.q2_dim, S, part.data(), S);
+        for (int j = 0; j < n; ++j)
+            for (int s = 0; s < S; ++s) logits[long(j) * ld + s] += part[long(j) * S + s];
     }
     for (int j = 0; j < n; ++j) softmax_row(a, h0 + j, seen, S, logits + long(j) * ld);
     float* out = a.out + (long(t) * a.heads + h0) * a.v_dim;

@@ -47,6 +47,9 @@ void route_softmax_topk(const float* logits, int rows, int experts, int k, bool 
 struct AttendArgs {
     HeadView q;                 // [T, H, Dq]
     const float *k, *v;         // [S, Hkv, Dq], [S, Hkv, Dv], contiguous
+    HeadView q2;                // [T, H, Dq2], with k2: a second part of each query and key, kept
+    const float* k2;            // apart ([S, Hkv, Dq2], contiguous; null: none): MLA's rotary part
+    int q2_dim;                 //   beside the latent, each logit q . k + q2 . k2
     const int64_t* slots;       // [S] or null: position s's row of k and v (a paged cache's block table)
     const bool* mask;           // [T, S]: which cached positions each new token sees
     const float* sinks;         // [H] or null: a learned logit per head that joins the softmax with no value

@@ -26,17 +26,21 @@ ABSORB_MAX_TOKENS = 16
 GROUPED_MAX_TOKENS = 16
 
 
-def _native_attend(q, k, v, mask, scale: float, sinks: torch.Tensor | None, pool) -> torch.Tensor | None:
+def _native_attend(q, k, v, mask, scale: float, sinks: torch.Tensor | None, pool, q2=None, k2=None) -> torch.Tensor | None:
     """float32 attention on the CPU in one native call on the dense linears' pool (torch's grouped
     path is about twenty small ops a layer, most of a decode step's attention), for chunks of every
     length: each token's heads are computed on their own, so a prompt token's result is the same in
-    whichever chunk it arrives (chunked prefill keeps batched == alone). None where it does not
+    whichever chunk it arrives (chunked prefill keeps batched == alone). q2 [T, H, D2] and k2 [S, Hkv,
+    D2]: a second part of each query and key (each logit q . k + q2 . k2). None where it does not
     apply: no pool (float linears: torch has the cores), another dtype or device."""
-    if pool is None or q.device.type != "cpu" or not all(t.dtype == torch.float32 for t in (q, k, v)):
+    parts = [x for x in (q, k, v, q2, k2) if x is not None]
+    if pool is None or q.device.type != "cpu" or not all(t.dtype == torch.float32 for t in parts):
         return None
     out = torch.empty((q.shape[0], q.shape[1] * v.shape[2]), dtype=torch.float32)
+    second = [None if x is None else x.detach().contiguous().numpy() for x in (q2, k2)]
     _native.attend(q.detach().numpy(), k.detach().contiguous().numpy(), v.detach().contiguous().numpy(),
-                   mask.contiguous().numpy(), scale, None if sinks is None else sinks.detach().numpy(), out.numpy(), pool)
+                   mask.contiguous().numpy(), scale, None if sinks is None else sinks.detach().numpy(), out.numpy(), pool,
+                   *second)
     return out
 
 
@@ -127,7 +131,7 @@ class GQAttention:
 class MLAttention:
     def __init__(self, cfg: ModelConfig, w: WeightLoader, prefix: str, rotary: Rotary):
         a, d = cfg.attention, cfg.hidden_size
-        self.a, self.eps, self.rotary = a, cfg.rms_norm_eps, rotary
+        self.a, self.eps, self.rotary, self.pool = a, cfg.rms_norm_eps, rotary, w.pool
         q_out = a.num_heads * a.head_dim
         # x's projections as one linear: the query's (q_proj, or q_a_proj of a low-rank query) and kv_a's
         kv_a = a.kv_lora_rank + a.qk_rope_head_dim
@@ -176,15 +180,21 @@ class MLAttention:
     def _attend_absorbed(self, q: torch.Tensor, latent: torch.Tensor, k_rot: torch.Tensor, mask: torch.Tensor):
         """The same attention without expanding the cache: kv_b_proj's key part folds into the query,
         q_nope . (W_k latent) = (W_k^T q_nope) . latent, and its value part applies after the
-        weighted sum of latents; each step reads the [S, C + R] cache instead of making [S, H, N + V]."""
+        weighted sum of latents; each step reads the [S, C + R] cache instead of making [S, H, N + V].
+        With the native pool, float32: the latent as one key and value head shared by all the query
+        heads and the rotary keys as the keys' second part, in one native call."""
         a, t = self.a, q.shape[0]
         w_k, w_v = self._kv_b_parts()  # [H, N, C], [H, V, C]
         q_nope, q_rot = q.split([a.qk_nope_head_dim, a.qk_rope_head_dim], dim=-1)
-        q_latent = torch.einsum("thn,hnc->thc", q_nope, w_k)  # [T, H, C]
-        logits = torch.einsum("thc,sc->hts", q_latent, latent) + torch.einsum("thr,sr->hts", q_rot, k_rot)
-        probs = (logits * a.softmax_scale).masked_fill(~mask[None], float("-inf")).softmax(dim=-1)  # [H, T, S]
-        o_latent = torch.einsum("hts,sc->thc", probs.to(latent.dtype), latent)  # [T, H, C]
-        return torch.einsum("thc,hvc->thv", o_latent, w_v).reshape(t, -1)
+        q_latent = torch.einsum("thn,hnc->thc", q_nope, w_k).contiguous()  # [T, H, C]
+        shared = latent[:, None, :]  # [S, 1, C]
+        o_latent = _native_attend(q_latent, shared, shared, mask, a.softmax_scale, None, self.pool, q_rot,
+                                  k_rot[:, None, :])
+        if o_latent is None:
+            logits = torch.einsum("thc,sc->hts", q_latent, latent) + torch.einsum("thr,sr->hts", q_rot, k_rot)
+            probs = (logits * a.softmax_scale).masked_fill(~mask[None], float("-inf")).softmax(dim=-1)  # [H, T, S]
+            o_latent = torch.einsum("hts,sc->thc", probs.to(latent.dtype), latent)  # [T, H, C]
+        return torch.einsum("thc,hvc->thv", o_latent.view(t, a.num_heads, -1), w_v).reshape(t, -1)
 
     def _kv_b_parts(self) -> tuple[torch.Tensor, torch.Tensor]:
         a = self.a

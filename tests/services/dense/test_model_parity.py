@@ -64,12 +64,16 @@ def test_bfloat16_dense_path_is_as_close_to_float32_as_transformers_bf16(family_
     assert rel(ours) <= 1.5 * rel(theirs) + 1e-3
 
 
+@pytest.mark.parametrize("weights", ["float", pytest.param("bf16", marks=pytest.mark.native)])
 @pytest.mark.parametrize("name", ["deepseek_v3", "deepseek_v3_qnull", "deepseek_v2"])
-def test_absorbed_mla_equals_the_expanded_form_at_every_position(name, monkeypatch):
-    """Absorbed MLA (decode's path) against the expanded keys and values, over 300 positions."""
+def test_absorbed_mla_equals_the_expanded_form_at_every_position(name, weights, monkeypatch):
+    """Absorbed MLA (decode's path) against the expanded keys and values, over 300 positions: in
+    torch (float linears), and in the native attention call (packed linears, whose pool it runs on)."""
     from services.dense.layers import attention
+    from services.dense.loader import load_model
+    from services.dense.runtime import DenseRuntime
 
-    model, _ = load_fp32(checkpoint(name))
+    model, _ = load_model(checkpoint(name), DenseRuntime(dtype="float32", device="cpu", weights=weights, threads=2))
     tokens = torch.randint(3, model.cfg.vocab_size, (300,), generator=torch.Generator().manual_seed(1))
     runs = {}
     for absorb in (0, 10**6):

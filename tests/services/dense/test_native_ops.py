@@ -106,6 +106,20 @@ def test_native_attention_matches_torchs(gen, heads, kv_heads, t, s, head_stride
         assert (got - want).abs().max().item() <= 1e-5
 
 
+@pytest.mark.parametrize("t,s", [(1, 300), (3, 40)])
+def test_native_attention_with_a_second_key_part_equals_the_keys_joined(gen, t, s):
+    """Absorbed MLA's call: one key/value head (the latent) for all the query heads, and the rotary
+    keys as a second part of each key; the same as the parts joined into one key."""
+    pool, heads = shared_pool(2), 16
+    q, q2 = torch.randn(t, heads, 64, generator=gen), torch.randn(t, heads, 16, generator=gen)
+    latent, k2 = torch.randn(s, 1, 64, generator=gen), torch.randn(s, 1, 16, generator=gen)
+    for mask in grouped_masks(t, s, gen):
+        want = attention._attend_grouped(torch.cat((q, q2), -1), torch.cat((latent, k2), -1), latent, mask, 0.1)
+        got = attention._native_attend(q, latent, latent, mask, 0.1, None, pool, q2, k2)
+        assert got.shape == want.shape == (t, heads * 64)
+        assert (got - want).abs().max().item() <= 1e-5
+
+
 def test_native_attention_gives_a_head_the_same_bits_whichever_heads_share_its_task(gen):
     """A group's heads go to one task or are split across tasks by the pool's size and the token count."""
     q, k, v = torch.randn(3, 8, 64, generator=gen), torch.randn(50, 1, 64, generator=gen), torch.randn(50, 1, 64, generator=gen)
@@ -161,6 +175,14 @@ def test_the_native_ops_refuse_bad_arguments():
         tandem_native.attend(f32(1, 4, 8), f32(4, 2, 8), f32(4, 2, 8), mask, 1.0, f32(3), f32(1, 32), pool)
     with pytest.raises(ValueError, match="out"):
         tandem_native.attend(f32(1, 4, 8), f32(4, 2, 8), f32(4, 2, 8), mask, 1.0, None, f32(1, 31), pool)
+    with pytest.raises(ValueError, match="both or neither"):
+        tandem_native.attend(f32(1, 4, 8), f32(4, 2, 8), f32(4, 2, 8), mask, 1.0, None, f32(1, 32), pool, f32(1, 4, 2))
+    with pytest.raises(ValueError, match="q2"):
+        tandem_native.attend(f32(1, 4, 8), f32(4, 2, 8), f32(4, 2, 8), mask, 1.0, None, f32(1, 32), pool, f32(1, 3, 2),
+                             f32(4, 2, 2))
+    with pytest.raises(ValueError, match="k2"):
+        tandem_native.attend(f32(1, 4, 8), f32(4, 2, 8), f32(4, 2, 8), mask, 1.0, None, f32(1, 32), pool, f32(1, 4, 2),
+                             f32(4, 2, 3))
     with pytest.raises(ValueError, match="contiguous"):
         tandem_native.rope(f32(2, 3, 8)[:, :, ::2], f32(2, 2), f32(2, 2), False, f32(2, 3, 4))
     with pytest.raises(ValueError, match="angles"):

@@ -187,10 +187,16 @@ void py_route_softmax_topk(py::array logits, int k, bool normalize, float scale,
 }
 
 void py_attend(py::array q, py::array k, py::array v, py::array mask, float scale, py::object sinks_obj, py::array out,
-               ThreadPool& pool, py::object q2_obj, py::object k2_obj) {
+               ThreadPool& pool, py::object q2_obj, py::object k2_obj, py::object q_up_obj, py::object v_up_obj) {
     AttendArgs a{};
     a.q = head_view(q, "q", false);
     a.tokens = int(q.shape(0)), a.heads = int(q.shape(1)), a.q_dim = int(q.shape(2));
+    py::array q_up, v_up;
+    if (!q_up_obj.is_none()) {
+        q_up = q_up_obj.cast<py::array>();
+        check_array<float>(q_up, "q_up", "float32", {a.heads, a.q_dim, -1});
+        a.n_dim = a.q_dim, a.q_dim = int(q_up.shape(2)), a.q_up = static_cast<const float*>(q_up.data());
+    }
     check_array<float>(k, "k", "float32", {-1, -1, a.q_dim});
     a.positions = int(k.shape(0)), a.kv_heads = int(k.shape(1));
     check_array<float>(v, "v", "float32", {a.positions, a.kv_heads, -1});
@@ -199,7 +205,12 @@ void py_attend(py::array q, py::array k, py::array v, py::array mask, float scal
         throw std::invalid_argument("k: " + std::to_string(a.kv_heads) + " key heads do not divide " +
                                     std::to_string(a.heads) + " query heads");
     check_array<bool>(mask, "mask", "bool", {a.tokens, a.positions});
-    check_array<float>(out, "out", "float32", {a.tokens, py::ssize_t(a.heads) * a.v_dim});
+    if (!v_up_obj.is_none()) {
+        v_up = v_up_obj.cast<py::array>();
+        check_array<float>(v_up, "v_up", "float32", {a.heads, -1, a.v_dim});
+        a.o_dim = int(v_up.shape(1)), a.v_up = static_cast<const float*>(v_up.data());
+    }
+    check_array<float>(out, "out", "float32", {a.tokens, py::ssize_t(a.heads) * (a.v_up ? a.o_dim : a.v_dim)});
     if (!out.writeable()) throw std::invalid_argument("out: must be writable");
     py::array sinks;
     if (!sinks_obj.is_none()) {
@@ -406,9 +417,12 @@ void register_linear(py::module_& m) {
           "after a softmax (ties to the lower id), divided by their sum if normalize, times scale");
     m.def("attend", &py_attend, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("mask"), py::arg("scale"),
           py::arg("sinks"), py::arg("out"), py::arg("pool"), py::arg("q2") = py::none(), py::arg("k2") = py::none(),
+          py::arg("q_up") = py::none(), py::arg("v_up") = py::none(),
           "out [T, H * Dv] = softmax(scale q k^T, where mask [T, S]; sinks [H] or None) v, q [T, H, Dq] against "
           "k [S, Hkv, Dq] and v [S, Hkv, Dv], float32: a few new tokens' attention over their cache; with q2 "
-          "[T, H, D2] and k2 [S, Hkv, D2], each logit adds q2 . k2 (MLA's rotary part beside its latent)");
+          "[T, H, D2] and k2 [S, Hkv, D2], each logit adds q2 . k2 (MLA's rotary part beside its latent); with "
+          "q_up [H, Dn, Dq], q holds Dn values a head and head h's query is q[t, h] q_up[h]; with v_up [H, Do, Dv], "
+          "head h's output is v_up[h] times its weighted values (out [T, H * Do]): absorbed MLA in one call");
     m.def("add_rms_norm", &py_add_rms_norm, py::arg("h"), py::arg("delta"), py::arg("weight"), py::arg("eps"),
           py::arg("out"), "h [R, C] += delta, then out [R, C] = rms_norm(h) * weight, float32 (a residual add and "
           "the next norm in one call)");

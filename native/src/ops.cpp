@@ -60,8 +60,17 @@ void attend_heads(const KernelTable& k, const AttendArgs& a, int t, int h0, int 
     while (S > 0 && !seen[S - 1]) --S;
     const int n = h1 - h0, ld = a.positions, g = h0 / (a.heads / a.kv_heads);
     const long v_step = long(a.kv_heads) * a.v_dim;
-    dot_keys(k, a, a.q.base + t * a.q.row + h0 * a.q.head, a.q.head, n, a.q_dim, a.k + long(g) * a.q_dim,
-             long(a.kv_heads) * a.q_dim, S, logits, ld);
+    const float* q = a.q.base + t * a.q.row + h0 * a.q.head;
+    long q_head = a.q.head;
+    thread_local std::vector<float> queries, weighed;
+    if (a.q_up) {  // each head's query: its Dn values times its [Dn, Dq] matrix
+        queries.assign(size_t(n) * a.q_dim, 0.f);
+        for (int j = 0; j < n; ++j)
+            k.weigh_rows(q + j * a.q.head, 1, a.n_dim, a.q_up + long(h0 + j) * a.n_dim * a.q_dim, a.q_dim, a.n_dim,
+                         queries.data() + long(j) * a.q_dim, a.q_dim, a.q_dim);
+        q = queries.data(), q_head = a.q_dim;
+    }
+    dot_keys(k, a, q, q_head, n, a.q_dim, a.k + long(g) * a.q_dim, long(a.kv_heads) * a.q_dim, S, logits, ld);
     if (a.k2) {  // the keys' second part, summed in after the first
         thread_local std::vector<float> part;
         part.resize(size_t(n) * S);
@@ -71,13 +80,17 @@ void attend_heads(const KernelTable& k, const AttendArgs& a, int t, int h0, int 
             for (int s = 0; s < S; ++s) logits[long(j) * ld + s] += part[long(j) * S + s];
     }
     for (int j = 0; j < n; ++j) softmax_row(a, h0 + j, seen, S, logits + long(j) * ld);
-    float* out = a.out + (long(t) * a.heads + h0) * a.v_dim;
+    if (a.v_up) weighed.resize(size_t(n) * a.v_dim);
+    float* out = a.v_up ? weighed.data() : a.out + (long(t) * a.heads + h0) * a.v_dim;
     std::fill(out, out + long(n) * a.v_dim, 0.f);
     const float* values = a.v + long(g) * a.v_dim;
     for (int s0 = 0, s1; s0 < S; s0 = s1) {
         s1 = a.slots ? run_end(a.slots, s0, S) : S;
         k.weigh_rows(logits + s0, n, ld, values + row_of(a, s0) * v_step, v_step, s1 - s0, out, a.v_dim, a.v_dim);
     }
+    for (int j = 0; a.v_up && j < n; ++j)  // each head's output: its [Do, Dv] matrix times its weighted values
+        k.dot_rows(out + long(j) * a.v_dim, 1, a.v_dim, a.v_up + long(h0 + j) * a.o_dim * a.v_dim, a.v_dim, a.o_dim,
+                   a.out + (long(t) * a.heads + h0 + j) * a.o_dim, a.o_dim);
 }
 
 }  // namespace

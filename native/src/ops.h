@@ -50,10 +50,13 @@ struct AttendArgs {
     HeadView q2;                // [T, H, Dq2], with k2: a second part of each query and key, kept
     const float* k2;            // apart ([S, Hkv, Dq2], contiguous; null: none): MLA's rotary part
     int q2_dim;                 //   beside the latent, each logit q . k + q2 . k2
+    const float* q_up;          // [H, Dn, Dq] or null: q holds Dn values a head, its query is q[t, h] q_up[h]
+    const float* v_up;          // [H, Do, Dv] or null: a head's output is v_up[h] (its weighted values), Do
+    int n_dim, o_dim;           //   values (absorbed MLA: kv_b_proj's key and value parts, by head)
     const int64_t* slots;       // [S] or null: position s's row of k and v (a paged cache's block table)
     const bool* mask;           // [T, S]: which cached positions each new token sees
     const float* sinks;         // [H] or null: a learned logit per head that joins the softmax with no value
-    float* out;                 // [T, H * Dv]
+    float* out;                 // [T, H * Dv] ([T, H * Do] with v_up)
     int tokens, heads, kv_heads, q_dim, v_dim, positions;
     float scale;
 };

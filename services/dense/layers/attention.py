@@ -26,21 +26,24 @@ ABSORB_MAX_TOKENS = 16
 GROUPED_MAX_TOKENS = 16
 
 
-def _native_attend(q, k, v, mask, scale: float, sinks: torch.Tensor | None, pool, q2=None, k2=None) -> torch.Tensor | None:
+def _native_attend(q, k, v, mask, scale: float, sinks: torch.Tensor | None, pool, q2=None, k2=None, q_up=None,
+                   v_up=None) -> torch.Tensor | None:
     """float32 attention on the CPU in one native call on the dense linears' pool (torch's grouped
     path is about twenty small ops a layer, most of a decode step's attention), for chunks of every
     length: each token's heads are computed on their own, so a prompt token's result is the same in
     whichever chunk it arrives (chunked prefill keeps batched == alone). q2 [T, H, D2] and k2 [S, Hkv,
-    D2]: a second part of each query and key (each logit q . k + q2 . k2). None where it does not
-    apply: no pool (float linears: torch has the cores), another dtype or device."""
-    parts = [x for x in (q, k, v, q2, k2) if x is not None]
+    D2]: a second part of each query and key (each logit q . k + q2 . k2); q_up [H, Dn, Dq]: q holds
+    Dn values a head, its query q[t, h] q_up[h]; v_up [H, Do, Dv]: a head's output is v_up[h] times its
+    weighted values ([T, H * Do]). None where it does not apply: no pool (float linears: torch has the
+    cores), another dtype or device."""
+    parts = [x for x in (q, k, v, q2, k2, q_up, v_up) if x is not None]
     if pool is None or q.device.type != "cpu" or not all(t.dtype == torch.float32 for t in parts):
         return None
-    out = torch.empty((q.shape[0], q.shape[1] * v.shape[2]), dtype=torch.float32)
-    second = [None if x is None else x.detach().contiguous().numpy() for x in (q2, k2)]
+    out = torch.empty((q.shape[0], q.shape[1] * (v.shape[2] if v_up is None else v_up.shape[1])), dtype=torch.float32)
+    extra = [None if x is None else x.detach().contiguous().numpy() for x in (q2, k2, q_up, v_up)]
     _native.attend(q.detach().numpy(), k.detach().contiguous().numpy(), v.detach().contiguous().numpy(),
                    mask.contiguous().numpy(), scale, None if sinks is None else sinks.detach().numpy(), out.numpy(), pool,
-                   *second)
+                   *extra)
     return out
 
 
@@ -181,20 +184,21 @@ class MLAttention:
         """The same attention without expanding the cache: kv_b_proj's key part folds into the query,
         q_nope . (W_k latent) = (W_k^T q_nope) . latent, and its value part applies after the
         weighted sum of latents; each step reads the [S, C + R] cache instead of making [S, H, N + V].
-        With the native pool, float32: the latent as one key and value head shared by all the query
-        heads and the rotary keys as the keys' second part, in one native call."""
+        With the native pool, float32, all of it is one native call: the latent as one key and value
+        head shared by every query head, the rotary keys as the keys' second part, and both folds."""
         a, t = self.a, q.shape[0]
         w_k, w_v = self._kv_b_parts()  # [H, N, C], [H, V, C]
         q_nope, q_rot = q.split([a.qk_nope_head_dim, a.qk_rope_head_dim], dim=-1)
-        q_latent = torch.einsum("thn,hnc->thc", q_nope, w_k).contiguous()  # [T, H, C]
         shared = latent[:, None, :]  # [S, 1, C]
-        o_latent = _native_attend(q_latent, shared, shared, mask, a.softmax_scale, None, self.pool, q_rot,
-                                  k_rot[:, None, :])
-        if o_latent is None:
-            logits = torch.einsum("thc,sc->hts", q_latent, latent) + torch.einsum("thr,sr->hts", q_rot, k_rot)
-            probs = (logits * a.softmax_scale).masked_fill(~mask[None], float("-inf")).softmax(dim=-1)  # [H, T, S]
-            o_latent = torch.einsum("hts,sc->thc", probs.to(latent.dtype), latent)  # [T, H, C]
-        return torch.einsum("thc,hvc->thv", o_latent.view(t, a.num_heads, -1), w_v).reshape(t, -1)
+        out = _native_attend(q_nope, shared, shared, mask, a.softmax_scale, None, self.pool, q_rot, k_rot[:, None, :],
+                             w_k, w_v)
+        if out is not None:
+            return out
+        q_latent = torch.einsum("thn,hnc->thc", q_nope, w_k)  # [T, H, C]
+        logits = torch.einsum("thc,sc->hts", q_latent, latent) + torch.einsum("thr,sr->hts", q_rot, k_rot)
+        probs = (logits * a.softmax_scale).masked_fill(~mask[None], float("-inf")).softmax(dim=-1)  # [H, T, S]
+        o_latent = torch.einsum("hts,sc->thc", probs.to(latent.dtype), latent)  # [T, H, C]
+        return torch.einsum("thc,hvc->thv", o_latent, w_v).reshape(t, -1)
 
     def _kv_b_parts(self) -> tuple[torch.Tensor, torch.Tensor]:
         a = self.a

@@ -120,6 +120,24 @@ def test_native_attention_with_a_second_key_part_equals_the_keys_joined(gen, t, 
         assert (got - want).abs().max().item() <= 1e-5
 
 
+@pytest.mark.parametrize("t,s", [(1, 300), (3, 40)])
+def test_native_absorbed_attention_folds_each_heads_query_and_output_matrices(gen, t, s):
+    """Absorbed MLA in one call: each head's query is its nope part times its [N, C] matrix, its output
+    its [V, C] matrix times its weighted latents; against the same in torch."""
+    pool, heads = shared_pool(2), 16
+    fused = torch.randn(t, heads, 24 + 16, generator=gen)  # the projection's nope and rotary parts side by side
+    q_nope, q2 = fused[..., :24], fused[..., 24:]
+    w_q, w_o = torch.randn(heads, 24, 64, generator=gen), torch.randn(heads, 20, 64, generator=gen)
+    latent, k2 = torch.randn(s, 1, 64, generator=gen), torch.randn(s, 1, 16, generator=gen)
+    for mask in grouped_masks(t, s, gen):
+        q = torch.einsum("thn,hnc->thc", q_nope, w_q)
+        weighed = attention._attend_grouped(torch.cat((q, q2), -1), torch.cat((latent, k2), -1), latent, mask, 0.1)
+        want = torch.einsum("thc,hvc->thv", weighed.view(t, heads, 64), w_o).reshape(t, -1)
+        got = attention._native_attend(q_nope, latent, latent, mask, 0.1, None, pool, q2, k2, w_q, w_o)
+        assert got.shape == want.shape == (t, heads * 20)
+        assert (got - want).abs().max().item() <= 1e-4 * want.abs().max().item()
+
+
 def test_native_attention_gives_a_head_the_same_bits_whichever_heads_share_its_task(gen):
     """A group's heads go to one task or are split across tasks by the pool's size and the token count."""
     q, k, v = torch.randn(3, 8, 64, generator=gen), torch.randn(50, 1, 64, generator=gen), torch.randn(50, 1, 64, generator=gen)
@@ -183,6 +201,15 @@ def test_the_native_ops_refuse_bad_arguments():
     with pytest.raises(ValueError, match="k2"):
         tandem_native.attend(f32(1, 4, 8), f32(4, 2, 8), f32(4, 2, 8), mask, 1.0, None, f32(1, 32), pool, f32(1, 4, 2),
                              f32(4, 2, 3))
+    with pytest.raises(ValueError, match="q_up"):
+        tandem_native.attend(f32(1, 4, 6), f32(4, 2, 8), f32(4, 2, 8), mask, 1.0, None, f32(1, 32), pool, None, None,
+                             f32(4, 5, 8))
+    with pytest.raises(ValueError, match="v_up"):
+        tandem_native.attend(f32(1, 4, 8), f32(4, 2, 8), f32(4, 2, 8), mask, 1.0, None, f32(1, 12), pool, None, None,
+                             None, f32(4, 3, 7))
+    with pytest.raises(ValueError, match="out"):
+        tandem_native.attend(f32(1, 4, 8), f32(4, 2, 8), f32(4, 2, 8), mask, 1.0, None, f32(1, 32), pool, None, None,
+                             None, f32(4, 3, 8))
     with pytest.raises(ValueError, match="contiguous"):
         tandem_native.rope(f32(2, 3, 8)[:, :, ::2], f32(2, 2), f32(2, 2), False, f32(2, 3, 4))
     with pytest.raises(ValueError, match="angles"):

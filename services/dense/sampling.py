@@ -97,12 +97,20 @@ class Sampler:
         bias = self.params.logit_bias
         self._bias_ids = torch.tensor([t for t, _ in bias], dtype=torch.long)
         self._bias = torch.tensor([v for _, v in bias], dtype=torch.float32).clamp(-MAX_BIAS, MAX_BIAS)
+        p = self.params
+        self._plain_greedy = (p.greedy and not bias and p.repetition_penalty == 1 and not p.presence_penalty
+                              and not p.frequency_penalty and not (p.min_tokens and self.barred)
+                              and self.constraint is None and p.logprobs is None)
 
     def __call__(self, logits: torch.Tensor) -> int:
         """logits [V] -> the next token id (recorded as generated)."""
         return self.sample(logits)[0]
 
     def sample(self, logits: torch.Tensor) -> tuple[int, TokenLogprobs | None]:
+        if self._plain_greedy:  # one op where nothing would change the logits: a decode step's Python runs cold
+            token = int(logits.argmax())
+            self.generated.append(token)
+            return token, None
         raw = logits.detach().float().cpu()
         token = self._choose(self._process(raw.clone()))
         self.generated.append(token)

@@ -82,3 +82,24 @@ def test_logit_bias_is_added_clamped_to_100_before_sampling_and_not_in_logprobs(
 def test_bad_logit_bias_is_refused_naming_the_field(bias):
     with pytest.raises(InvalidRequestError, match="logit_bias"):
         SamplingParams(logit_bias=bias)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_plain_greedy_shortcut_picks_what_the_full_path_picks(dtype):
+    g = torch.Generator().manual_seed(3)
+    steps = [torch.randn(97, generator=g).to(dtype) for _ in range(20)]
+    steps.append(torch.zeros(97, dtype=dtype))  # a tie everywhere: the first index, as argmax gives
+    fast = Sampler(SamplingParams(temperature=0))
+    full = Sampler(SamplingParams(temperature=0))
+    assert fast._plain_greedy
+    full._plain_greedy = False
+    assert [fast(x) for x in steps] == [full(x) for x in steps]
+    assert fast.generated == full.generated
+
+
+@pytest.mark.parametrize("kwargs", [dict(repetition_penalty=1.3), dict(presence_penalty=0.5),
+                                    dict(frequency_penalty=0.5), dict(logit_bias=((1, 5.0),)),
+                                    dict(logprobs=2), dict(min_tokens=3), dict(temperature=0.7)])
+def test_anything_that_changes_the_choice_takes_the_full_path(kwargs):
+    params = SamplingParams(**{"temperature": 0, **kwargs})
+    assert not Sampler(params, barred=(0,))._plain_greedy

@@ -34,6 +34,10 @@ SIZE_CLASS = {"BF16": "bf16", "Q8_0": "int8", "Q4_0": "int4", "RAWINT4": "int4",
 # kt-kernel's AMX-family classes (its best on AMX CPUs; an AVX-512 path on CPUs without AMX), where
 # the installed variant has them
 AMX_CLASSES = {"AMXBF16": "AMXBF16_MOE", "AMXINT8": "AMXInt8_MOE", "AMXINT4": "AMXInt4_MOE"}
+# Formats handed to kt-kernel as bf16 and quantized at load: their case holds as many experts as the
+# bf16 source fits in the budget (quantizing 64 DeepSeek-shaped experts online took 22 GB and the
+# OOM killer; 32 peak at 8.1 GB with the workload, each still streamed from DRAM per call).
+LOADED_AS_BF16 = {"AMXINT8", "AMXINT4"}
 RAWINT4_GROUP = 32
 MAX_LEN = 512  # the most tokens one call passes (kt-kernel sizes its buffers by it)
 
@@ -190,7 +194,8 @@ def format_rows(wl: mc.Workload, fmt: str, threads: list[int], timing: mc.Timing
         note = f"{AMX_CLASSES.get(fmt, fmt)}: not in kt-kernel's {kt_kernel.__cpu_variant__} variant"
         return [mc.failed_row(wl.shape, "kt-kernel", fmt, note)]
     try:
-        kw = BUILDERS[fmt](wl, mc.expert_count(wl.shape, SIZE_CLASS[fmt]))
+        held = "bf16" if fmt in LOADED_AS_BF16 else SIZE_CLASS[fmt]
+        kw = BUILDERS[fmt](wl, mc.expert_count(wl.shape, held))
     except (RuntimeError, ValueError, TypeError) as e:  # what pybind11 raises for a bad call
         return [mc.failed_row(wl.shape, "kt-kernel", fmt, f"{type(e).__name__}: {e}")]
     rows = []

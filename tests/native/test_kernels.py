@@ -160,6 +160,21 @@ def test_a_token_gets_the_same_bits_alone_or_in_any_batch(isa, fmt, packed, pool
         assert np.array_equal(part, full[start:start + n]), (start, n)
 
 
+@pytest.mark.parametrize("isa", ["avx512", "avx512_vnni"])
+def test_avx512_bf16_tiles_give_avx2s_bits(isa, packed, pool):
+    """Without vdpbf16ps, AVX-512 holds two rows of a bf16 tile in each 512-bit register, and each half
+    adds its row's products lane by lane as AVX2's 256-bit tiles do: the same bits, for a lone token
+    and for groups of 6 sharing the loads with 1-5 left over."""
+    if isa not in tn.supported_isas():
+        pytest.skip(f"{isa}: not supported by this CPU or build (supported: {tn.supported_isas()})")
+    rng = np.random.default_rng(17)
+    for tokens in (1, 5, 6, 13, 64):
+        x = rng.standard_normal((tokens, D), dtype=np.float32)
+        ids, weights = random_routing(rng, tokens, E, K)
+        ours = run(packed["bf16"], x, ids, weights, pool, isa)
+        assert np.array_equal(ours, run(packed["bf16"], x, ids, weights, pool, "avx2")), tokens
+
+
 @pytest.mark.parametrize("isa", ALL_ISAS)
 @pytest.mark.parametrize("fmt", list(TOLERANCE))
 def test_a_call_reusing_the_scratch_of_a_poisoned_one_gets_the_same_bits(isa, fmt, packed, pool):

@@ -36,7 +36,8 @@ SIZE_CLASS = {"BF16": "bf16", "Q8_0": "int8", "Q4_0": "int4", "RAWINT4": "int4",
 AMX_CLASSES = {"AMXBF16": "AMXBF16_MOE", "AMXINT8": "AMXInt8_MOE", "AMXINT4": "AMXInt4_MOE"}
 # Formats handed to kt-kernel as bf16 and quantized at load: their case holds as many experts as the
 # bf16 source fits in the budget (quantizing 64 DeepSeek-shaped experts online took 22 GB and the
-# OOM killer; 32 peak at 8.1 GB with the workload, each still streamed from DRAM per call).
+# OOM killer; 32 peak at 8.1 GB with the workload, 12.9 GB for both classes in one worker, each
+# expert still streamed from DRAM per call).
 LOADED_AS_BF16 = {"AMXINT8", "AMXINT4"}
 RAWINT4_GROUP = 32
 MAX_LEN = 512  # the most tokens one call passes (kt-kernel sizes its buffers by it)

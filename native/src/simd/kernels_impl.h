@@ -668,9 +668,8 @@ void swiglu_oai(const float* gate_up, int intermediate, float alpha, float limit
 }
 
 // A row's dot product with a weight row, finished: the 8 lanes of FMAs over columns [0, i) summed,
-// then the columns [i, in) in order.
-// The columns past the last 8, one fma each: written out, since the compiler may contract `sum += x * w`
-// in one inlined copy and not in another (AVX-512 builds did, so a row's bits depended on whether
+// then the columns [i, in) in order, one explicit fma each (the compiler may contract `sum += x * w`
+// in one inlined copy and not in another: AVX-512 builds did, so a row's bits depended on whether
 // it went with 4 others or alone).
 inline float dot_tail(__m256 acc, const float* x, const float* w, int i, int in) {
     float sum = hsum(acc);

@@ -3,6 +3,7 @@
 #include "doorbell.h"
 
 #include <linux/futex.h>
+#include <sched.h>
 #include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
@@ -38,8 +39,9 @@ uint32_t bell_wait(Bell bell, uint32_t old_value, double spin_us, double timeout
     const auto start = clock::now();
     const auto spin_end = start + std::chrono::duration<double, std::micro>(spin_us);
     uint32_t value = bell_load(bell.seq);
-    while (value == old_value && clock::now() < spin_end) {
+    for (int polls = 1; value == old_value && clock::now() < spin_end; ++polls) {
         __builtin_ia32_pause();
+        if (polls % 64 == 0) sched_yield();  // the core to any thread waiting for one, as the pool's spins do
         value = bell_load(bell.seq);
     }
     if (value != old_value) return value;

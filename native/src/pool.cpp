@@ -2,6 +2,8 @@
 
 #include "doorbell.h"
 
+#include <sched.h>
+
 #include <algorithm>
 #include <chrono>
 #include <stdexcept>
@@ -13,15 +15,20 @@ namespace {
 constexpr auto kJobSpin = std::chrono::microseconds(50);
 
 // Polls `ready` for a short while; true if it came true. Lets a thread catch work that follows
-// closely without the cost of a sleep and wake-up, and still sleep when there is none.
+// closely without the cost of a sleep and wake-up, and still sleep when there is none. Every 64
+// polls it yields its core to any thread waiting for one (a no-op where none is): where the cores
+// are shared (a co-located stack: the other process's pool, the serving threads), a poller that
+// held its core until its time slice ran out would push that work onto the cores that compute.
 template <typename Ready>
 bool spin_until(Ready ready, std::chrono::microseconds spin = kJobSpin) {
     const auto end = std::chrono::steady_clock::now() + spin;
-    while (std::chrono::steady_clock::now() < end)
+    while (std::chrono::steady_clock::now() < end) {
         for (int i = 0; i < 64; ++i) {
             if (ready()) return true;
             __builtin_ia32_pause();  // leaves the core's resources to whatever shares it meanwhile
         }
+        sched_yield();
+    }
     return false;
 }
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from services.common import shm_layout as shm
+from tests.child import run_python
 from tests.reference.moe import random_layer
 from tests.waiting import wait_for
 
@@ -281,10 +282,11 @@ def test_the_answer_wakes_the_waiting_sides_pools(executor, layers):
 
 
 _SHARE_OF_A_SHARED_CORE = """
-import os, threading, time, numpy as np, tandem_native as tn
+import threading, time, numpy as np, tandem_native as tn
 from services.common import shm_layout as shm
+from tests.child import busy_share, pin_to_one_cpu
 from tests.reference.moe import random_layer
-os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})  # this thread, and the threads made after
+pin_to_one_cpu()
 E, D, I, K, CAP = 8, 64, 32, 2, 4
 pool = tn.ThreadPool(1)
 executor = tn.Executor({3: tn.MoeLayer(tn.pack_experts(*random_layer(np.random.default_rng(0), E, D, I), "int8", 32, pool))},
@@ -297,10 +299,7 @@ for _ in range(3):
     waiting = threading.Thread(target=server.serve_next, args=(0.2, 0.0))
     waiting.start()
     time.sleep(0.001)
-    start, cpu = time.perf_counter(), time.thread_time()
-    while time.perf_counter() - start < 0.05:
-        pass
-    shares.append((time.thread_time() - cpu) / (time.perf_counter() - start))
+    shares.append(busy_share())
     waiting.join()
 server.release()
 segment.close()
@@ -312,13 +311,7 @@ def test_a_thread_polling_a_doorbell_gives_its_core_to_a_thread_that_needs_it():
     """A server polling the request word on the one core it shares with a busy thread yields it, as
     the pool's pollers do: the busy thread gets nearly all of the core, not the half that the
     scheduler would give it against a thread that kept polling."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[2]
-    proc = subprocess.run([sys.executable, "-c", _SHARE_OF_A_SHARED_CORE], cwd=root, timeout=120,
-                          capture_output=True, text=True)
+    proc = run_python(_SHARE_OF_A_SHARED_CORE)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert float(proc.stdout) > 0.75
 

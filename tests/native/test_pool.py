@@ -7,6 +7,7 @@ import time
 import numpy as np
 import pytest
 
+from tests.child import run_python
 from tests.reference.moe import random_layer, random_routing
 
 tn = pytest.importorskip("tandem_native")
@@ -99,13 +100,7 @@ def test_back_to_back_tiny_calls_neither_hang_nor_run_a_task_twice(threads):
     """Thousands of parallel_for rounds of a few microseconds each, more threads than cores: a helper
     waking late must not join a round that is over (it once took a task index from the finished
     round's counter and ran it in the next round, leaving the coordinator waiting forever)."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[2]
-    proc = subprocess.run([sys.executable, "-c", _BACK_TO_BACK, str(threads), "20000"], cwd=root, timeout=120,
-                          capture_output=True, text=True)
+    proc = run_python(_BACK_TO_BACK, str(threads), "20000")
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
 
 
@@ -222,9 +217,10 @@ def test_a_parked_pool_stops_warming_at_once(setup):
 
 
 _SHARE_OF_A_SHARED_CORE = """
-import os, time, numpy as np, tandem_native as tn
+import time, numpy as np, tandem_native as tn
+from tests.child import busy_share, pin_to_one_cpu
 from tests.reference.moe import random_layer, random_routing
-os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})  # this thread, and the pool's threads made after
+pin_to_one_cpu()
 pool = tn.ThreadPool(2, 100000)  # its threads poll 100 ms for the next call
 layer = tn.MoeLayer(tn.pack_experts(*random_layer(np.random.default_rng(3), 8, 64, 64), "int8", 32, pool))
 rng = np.random.default_rng(4)
@@ -233,10 +229,7 @@ ids, w = random_routing(rng, 3, 8, 2)
 shares = []
 for _ in range(3):
     tn.moe_forward(layer, x, ids, w, np.zeros_like(x), pool)
-    start, cpu = time.perf_counter(), time.thread_time()
-    while time.perf_counter() - start < 0.05:
-        pass
-    shares.append((time.thread_time() - cpu) / (time.perf_counter() - start))
+    shares.append(busy_share())
     time.sleep(0.15)
 print(min(shares))
 """
@@ -246,12 +239,6 @@ def test_polling_threads_give_their_core_to_a_thread_that_needs_it():
     """A pool polling for its next call on the one core it shares with a busy thread (a co-located
     stack's other process or serving threads) yields it: the busy thread gets nearly all of the core,
     not the half or third that the scheduler would give it against threads that kept polling."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[2]
-    proc = subprocess.run([sys.executable, "-c", _SHARE_OF_A_SHARED_CORE], cwd=root, timeout=120,
-                          capture_output=True, text=True)
+    proc = run_python(_SHARE_OF_A_SHARED_CORE)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert float(proc.stdout) > 0.75

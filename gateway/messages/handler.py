@@ -18,6 +18,7 @@ from gateway.messages.schemas import (CountRequest, MessagesRequest, MessagesRes
                                       ToolUseBlock, Usage)
 from gateway.parsing.base import Call, Parsed
 from gateway.parsing.output import Incremental, OutputParser
+from gateway.sse import dumps
 
 
 async def prompt_text(state, body: CountRequest) -> tuple[str, str]:
@@ -107,14 +108,14 @@ def _use_id() -> str:
     return f"toolu_{uuid.uuid4().hex[:24]}"
 
 
-async def _framed(events: AsyncIterator[dict]) -> AsyncIterator[str]:
+async def _framed(events: AsyncIterator[dict]) -> AsyncIterator[bytes]:
     """Anthropic's SSE: `event: <type>` then its data; an error mid-stream is an error event."""
     try:
         async for event in events:
-            yield f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n"
+            yield b"event: " + event["type"].encode() + b"\ndata: " + dumps(event) + b"\n\n"
     except ApiError as exc:
         error = {"type": "error", "error": {"type": exc.body()["error"]["type"], "message": exc.message}}
-        yield f"event: error\ndata: {json.dumps(error, ensure_ascii=False)}\n\n"
+        yield b"event: error\ndata: " + dumps(error) + b"\n\n"
 
 
 class _Blocks:

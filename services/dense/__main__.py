@@ -52,6 +52,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-queue", type=int, default=256, help="requests waiting for KV space before refusals")
     p.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="keep full KV blocks and reuse them for prompts that share a prefix (default: on)")
+    p.add_argument("--keep-cpus-awake", action=argparse.BooleanOptionalAction, default=True,
+                   help="while requests run, hold the CPUs' wake-up latency at 0 us (/dev/cpu_dma_latency, where "
+                        "writable), so idle CPUs poll instead of halting between the hand-offs to a co-located "
+                        "expert server (default: on)")
     return p
 
 
@@ -69,7 +73,8 @@ def config(argv: list[str]) -> DenseConfig:
         model=resolve_model(a.model, a.gguf), runtime=runtime(a), experts=a.experts, expert_format=a.format,
         threads=a.threads, remote=remote, kv_tokens=a.kv_tokens, kv_memory_fraction=a.kv_memory_fraction,
         block_size=a.block_size, max_batch_tokens=a.max_batch_tokens, max_running=a.max_running,
-        max_queue=a.max_queue, prefix_caching=a.prefix_caching, listen=a.listen, served_model_name=a.served_model_name,
+        max_queue=a.max_queue, prefix_caching=a.prefix_caching, keep_cpus_awake=a.keep_cpus_awake, listen=a.listen,
+        served_model_name=a.served_model_name,
         tracing=TracingConfig.from_env(os.environ),
     )
 

@@ -30,6 +30,7 @@ class DenseConfig:
     max_running: int = 64
     max_queue: int = 256
     prefix_caching: bool = True
+    keep_cpus_awake: bool = True  # while decoding (services/common/cpu_wake.py)
     listen: str = "127.0.0.1:50051"
     served_model_name: str = ""
     tracing: TracingConfig = TracingConfig()
@@ -54,4 +55,4 @@ class DenseConfig:
     def engine(self, kv_blocks: int) -> EngineConfig:
         return EngineConfig(kv_blocks=kv_blocks, block_size=self.block_size, max_batch_tokens=self.max_batch_tokens,
                             max_running=self.max_running, max_queue=self.max_queue,
-                            prefix_caching=self.prefix_caching)
+                            prefix_caching=self.prefix_caching, keep_cpus_awake=self.keep_cpus_awake)

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from services.common.cpu_wake import CpuWake
 from services.common.errors import (CancelledError, InvalidRequestError, ResourceExhaustedError,
                                     TandemError)
 from services.dense.kv_cache import BlockPool, PagedSequence
@@ -40,6 +41,7 @@ class EngineConfig:
     max_running: int = 64
     max_queue: int = 256
     prefix_caching: bool = True  # full KV blocks kept and reused across requests
+    keep_cpus_awake: bool = False  # the loop holds the CPUs' wake-up latency at 0 while it has work (cpu_wake)
 
     def __post_init__(self):
         for name in ("kv_blocks", "block_size", "max_batch_tokens", "max_running"):
@@ -140,13 +142,20 @@ class Engine:
             self._end(request, error=CancelledError("the server is shutting down"))
 
     def _loop(self) -> None:
-        while True:
-            with self._lock:
-                while not self._stopped and not self.waiting and not self.running:
-                    self._work.wait()
-                if self._stopped:
-                    return
-            self.step()
+        awake = CpuWake(self.cfg.keep_cpus_awake)
+        try:
+            while True:
+                with self._lock:
+                    if not self._stopped and not self.waiting and not self.running:
+                        awake.release()  # idle: the machine's sleep states again
+                    while not self._stopped and not self.waiting and not self.running:
+                        self._work.wait()
+                    if self._stopped:
+                        return
+                awake.hold()
+                self.step()
+        finally:
+            awake.release()
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from services.common import cpu_wake
 from services.common.checkpoint import resolve_model
 from services.common.errors import ConfigError, TandemError
 from services.common.expert_weights import FORMATS, default_threads
@@ -39,6 +40,7 @@ class LaunchConfig:
     served_model_name: str = ""  # "": the model directory's name
     tool_parser: str = "auto"  # the gateway's output parsers (auto: recognised from the chat template)
     reasoning_parser: str = "auto"
+    keep_cpus_awake: bool = True  # the dense service's, while decoding (services/common/cpu_wake.py)
     startup_timeout_s: float = 600.0
     max_restarts: int = 5  # a child that dies is restarted at most this often within restart_window_s
     restart_window_s: float = 600.0
@@ -99,6 +101,9 @@ def parse(argv: list[str]) -> LaunchConfig:
     s.add_argument("--max-restarts", type=int, default=5, help="restarts of a child that dies, within 10 minutes, "
                    "before the launcher gives up and stops (0: stop at the first death)")
     s.add_argument("--reasoning-parser", default="auto", help="the gateway's reasoning split (auto, think, none)")
+    s.add_argument("--keep-cpus-awake", action=argparse.BooleanOptionalAction, default=True,
+                   help="while requests run, hold the CPUs' wake-up latency at 0 us where /dev/cpu_dma_latency is "
+                        "writable (default: on)")
     a = p.parse_args(argv)
     model = resolve_model(a.model, a.gguf) if a.model is not None or a.gguf is not None else None
     if model is not None and not (model / "config.json").is_file():
@@ -108,9 +113,16 @@ def parse(argv: list[str]) -> LaunchConfig:
     if dense != "float" and torch.cuda.is_available():
         raise ConfigError(f"--dense-format {dense}: packed dense linears run on the CPU; with a GPU keep float")
     print(f"tandem: defaults on this machine: --dtype {d.dtype} --dense-format {d.dense_format} --format {d.format} "
-          f"({d.why})", flush=True)
+          f"({d.why}); {wake_line()}", flush=True)
     return LaunchConfig(model, a.host, a.port, fmt, a.dtype, dense, a.threads, a.api_key,
-                        tool_parser=a.tool_parser, reasoning_parser=a.reasoning_parser, max_restarts=a.max_restarts)
+                        tool_parser=a.tool_parser, reasoning_parser=a.reasoning_parser, max_restarts=a.max_restarts,
+                        keep_cpus_awake=a.keep_cpus_awake)
+
+
+def wake_line() -> str:
+    if cpu_wake.available():
+        return f"--keep-cpus-awake (while decoding, {cpu_wake.DEVICE} holds idle CPUs polling)"
+    return f"--keep-cpus-awake has no effect here ({cpu_wake.DEVICE} is not writable: idle CPUs may halt)"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -135,7 +135,8 @@ class Stack:
         dense = self._add(Part("dense", "services.dense", [
             "--model", str(c.model), "--dtype", c.dtype, "--dense-format", c.dense_format, "--threads", str(c.threads),
             "--experts", "remote", "--transport", "shm", "--expert-servers", f"127.0.0.1:{expert.port}",
-            "--served-model-name", c.served_model_name], grpc_ok), stop)
+            "--served-model-name", c.served_model_name,
+            "--keep-cpus-awake" if c.keep_cpus_awake else "--no-keep-cpus-awake"], grpc_ok), stop)
         args = ["--dense", f"127.0.0.1:{dense.port}", "--host", c.host, "--port", str(c.port),
                 "--tool-parser", c.tool_parser, "--reasoning-parser", c.reasoning_parser]
         env_key = {"TANDEM_API_KEY": c.api_key} if c.api_key else {}

@@ -229,3 +229,29 @@ def test_a_request_alone_never_outgrows_a_cache_smaller_than_the_context():
         engine.step()
     outs = [request.outputs.get() for _ in range(request.outputs.qsize())]
     assert sum(len(o.token_ids) for o in outs) == 48 - 10 and outs[-1].finish_reason == "length"
+
+
+def test_the_running_loop_holds_the_cpu_wake_request_while_it_has_work_and_drops_it_when_idle(tmp_path, monkeypatch):
+    from services.common import cpu_wake
+    from tests.services.common.test_cpu_wake import open_on
+    from tests.waiting import wait_for
+
+    device = tmp_path / "cpu_dma_latency"
+    device.write_bytes(b"")
+    monkeypatch.setattr(cpu_wake, "DEVICE", str(device))
+    model, _ = load_fp32(checkpoint("qwen3_moe"))
+    held_in_steps = []
+    for keep in (True, False):
+        engine = Engine(model, EngineConfig(kv_blocks=16, block_size=8, keep_cpus_awake=keep))
+        step = engine.step
+        engine.step = lambda: (held_in_steps.append((keep, open_on(device))), step())
+        engine.start()
+        try:
+            request = engine.submit(Request("a", [5] * 6, SamplingParams(temperature=0, max_tokens=4)))
+            while not request.outputs.get(timeout=30).finished:
+                pass
+            assert wait_for(lambda: not open_on(device), timeout=10), "still held with no work"
+        finally:
+            engine.stop()
+    assert {held for keep, held in held_in_steps if keep} == {True}
+    assert {held for keep, held in held_in_steps if not keep} == {False}

@@ -34,3 +34,12 @@ def test_an_unknown_dense_format_is_refused(capsys):
     with pytest.raises(SystemExit):
         parse(["serve", "--dense-format", "int3"])
     assert "--dense-format" in capsys.readouterr().err
+
+
+def test_the_cpu_wake_hold_is_on_by_default_says_whether_it_can_act_here_and_can_be_turned_off(capsys):
+    from services.common import cpu_wake
+
+    assert parse(["serve", "--model", str(checkpoint("qwen3_moe"))]).keep_cpus_awake
+    out = capsys.readouterr().out
+    assert ("holds idle CPUs polling" in out) == cpu_wake.available()
+    assert not parse(["serve", "--model", str(checkpoint("qwen3_moe")), "--no-keep-cpus-awake"]).keep_cpus_awake

@@ -22,9 +22,9 @@ log = logging.getLogger(__name__)
 DEVICE = "/dev/cpu_dma_latency"
 
 
-def available(device: str | None = None) -> bool:
+def available() -> bool:
     """Whether this process may hold the request (the device exists and is writable)."""
-    return os.access(device or DEVICE, os.W_OK)
+    return os.access(DEVICE, os.W_OK)
 
 
 class CpuWake:

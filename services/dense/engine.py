@@ -146,9 +146,9 @@ class Engine:
         try:
             while True:
                 with self._lock:
-                    if not self._stopped and not self.waiting and not self.running:
+                    if not self.has_work():
                         awake.release()  # idle: the machine's sleep states again
-                    while not self._stopped and not self.waiting and not self.running:
+                    while not self._stopped and not self.has_work():
                         self._work.wait()
                     if self._stopped:
                         return

@@ -531,31 +531,30 @@ public:
     // or bfloat16, ids [T, K] int64, weights [T, K] float32: CPU tensors or numpy arrays.
     uint32_t submit(uint32_t layer, py::handle x_obj, py::handle ids_obj, py::handle weights_obj,
                     const std::string& traceparent, bool each) {
-        const HostArray x = host_array(x_obj, "x"), ids = host_array(ids_obj, "ids");
-        const HostArray weights = host_array(weights_obj, "weights");
-        if (x.kind != HostArray::kF32 && x.kind != HostArray::kBF16)
-            throw Invalid("x: expected float32 or bfloat16 (bits in int16/uint16)");
-        if (x.cols != hidden_) throw Invalid("x: hidden size " + std::to_string(x.cols) + ", the session's is " + str(hidden_));
-        const int64_t T = x.rows, K = ids.cols;
-        if (T < 1 || T > max_tokens_)
-            throw Invalid("x: " + std::to_string(T) + " tokens is outside the session's [1, " + str(max_tokens_) + "]");
-        if (ids.kind != HostArray::kI64 || ids.rows != T)
-            throw Invalid("ids: expected int64 [" + std::to_string(T) + ", K]");
-        if (K < 1 || K > top_k_) throw Invalid("ids: top-k " + std::to_string(K) + " is outside [1, " + str(top_k_) + "]");
-        if (weights.kind != HostArray::kF32 || weights.rows != T || weights.cols != K)
-            throw Invalid("weights: expected float32 [" + std::to_string(T) + ", " + std::to_string(K) + "]");
-        uint8_t* base = map_.base();
-        copy_bytes(base + slots_.x, x.data, x.nbytes());
-        std::memcpy(base + slots_.ids, ids.data, ids.nbytes());
-        std::memcpy(base + slots_.weights, weights.data, weights.nbytes());
-        const size_t length = std::min(traceparent.size(), layout::kTraceBytes);
-        base[layout::kTrace] = each ? layout::kTraceEach : 0;
-        base[layout::kTrace + 1] = uint8_t(length);
-        std::memcpy(base + layout::kTrace + 2, traceparent.data(), length);
-        const uint32_t code = x.kind == HostArray::kF32 ? layout::kF32 : layout::kBF16;
-        tokens_ = T, x_code_ = code;
-        return publish({layer, uint32_t(T), uint32_t(hidden_), uint32_t(K), code, slots_.x, slots_.ids,
-                        slots_.weights, slots_.out});
+        return publish(stage(layer, x_obj, ids_obj, weights_obj, traceparent, each));
+    }
+
+    // submit() and finish() in one, for a caller with nothing to do until the answer: the GIL is
+    // released and the pools parked before the ring, so the server's thread it wakes (often onto this
+    // core) finds this thread asleep rather than preempting it with Python still to run.
+    // (seq, finish()'s answer, or None when none came within timeout_s).
+    py::tuple call(uint32_t layer, py::handle x_obj, py::handle ids_obj, py::handle weights_obj, py::object out,
+                   double spin_us, double timeout_s, const py::list& pools, const std::string& traceparent,
+                   bool each) {
+        check_wait(spin_us, timeout_s);
+        const Descriptor d = stage(layer, x_obj, ids_obj, weights_obj, traceparent, each);
+        const std::vector<ThreadPool*> parked = pools_of(pools);
+        bool answered;
+        uint32_t seq;
+        {
+            Mapping::Busy busy(map_);
+            py::gil_scoped_release release;
+            park(parked, seq_ + 1, timeout_s);
+            seq = publish(d);
+            answered = spin_.wait(map_.response(), seq - 1, spin_us, timeout_s) == seq;
+            uncount();
+        }
+        return py::make_tuple(seq, answered ? py::object(result(out)) : py::none());
     }
 
     // Says a call comes soon (its routing is under way): the server's helpers, which wait for this
@@ -629,6 +628,36 @@ public:
     void release() { map_.release(); }
 
 private:
+    // Checks a call and copies it into its slots; the descriptor to publish.
+    Descriptor stage(uint32_t layer, py::handle x_obj, py::handle ids_obj, py::handle weights_obj,
+                     const std::string& traceparent, bool each) {
+        const HostArray x = host_array(x_obj, "x"), ids = host_array(ids_obj, "ids");
+        const HostArray weights = host_array(weights_obj, "weights");
+        if (x.kind != HostArray::kF32 && x.kind != HostArray::kBF16)
+            throw Invalid("x: expected float32 or bfloat16 (bits in int16/uint16)");
+        if (x.cols != hidden_) throw Invalid("x: hidden size " + std::to_string(x.cols) + ", the session's is " + str(hidden_));
+        const int64_t T = x.rows, K = ids.cols;
+        if (T < 1 || T > max_tokens_)
+            throw Invalid("x: " + std::to_string(T) + " tokens is outside the session's [1, " + str(max_tokens_) + "]");
+        if (ids.kind != HostArray::kI64 || ids.rows != T)
+            throw Invalid("ids: expected int64 [" + std::to_string(T) + ", K]");
+        if (K < 1 || K > top_k_) throw Invalid("ids: top-k " + std::to_string(K) + " is outside [1, " + str(top_k_) + "]");
+        if (weights.kind != HostArray::kF32 || weights.rows != T || weights.cols != K)
+            throw Invalid("weights: expected float32 [" + std::to_string(T) + ", " + std::to_string(K) + "]");
+        uint8_t* base = map_.base();
+        copy_bytes(base + slots_.x, x.data, x.nbytes());
+        std::memcpy(base + slots_.ids, ids.data, ids.nbytes());
+        std::memcpy(base + slots_.weights, weights.data, weights.nbytes());
+        const size_t length = std::min(traceparent.size(), layout::kTraceBytes);
+        base[layout::kTrace] = each ? layout::kTraceEach : 0;
+        base[layout::kTrace + 1] = uint8_t(length);
+        std::memcpy(base + layout::kTrace + 2, traceparent.data(), length);
+        const uint32_t code = x.kind == HostArray::kF32 ? layout::kF32 : layout::kBF16;
+        tokens_ = T, x_code_ = code;
+        return {layer, uint32_t(T), uint32_t(hidden_), uint32_t(K), code, slots_.x, slots_.ids, slots_.weights,
+                slots_.out};
+    }
+
     Mapping map_;
     Slots slots_;
     int max_tokens_, hidden_, top_k_;
@@ -724,6 +753,10 @@ void register_expert_sessions(py::module_& m) {
         .def("submit", &ShmClient::submit, py::arg("layer"), py::arg("x"), py::arg("ids"), py::arg("weights"),
              py::arg("traceparent") = "", py::arg("trace_each") = false,
              "Copies a call in and publishes it; returns its sequence number")
+        .def("call", &ShmClient::call, py::arg("layer"), py::arg("x"), py::arg("ids"), py::arg("weights"),
+             py::arg("out"), py::arg("spin_us"), py::arg("timeout_s"), py::arg("pools") = py::list(),
+             py::arg("traceparent") = "", py::arg("trace_each") = false,
+             "submit() and finish() in one, the GIL released before the ring: (seq, answer or None)")
         .def("expect", &ShmClient::expect, py::arg("pools") = py::list(),
              "Says a call comes soon: the server's helpers wake for it, the pools' helpers wait for its answer")
         .def("publish", &ShmClient::publish, py::arg("descriptor"), "Publishes a raw descriptor (its data in place)")

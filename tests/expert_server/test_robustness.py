@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import grpc
@@ -275,6 +276,43 @@ def test_a_killed_server_fails_the_call_in_flight_with_unavailable_then_the_clie
     with Spawned(path, "int8", port=spawned.port):
         assert wait_for(lambda: _succeeds(remote, layer, x, ids, w))
         assert torch.equal(remote.forward(layer, x, ids, w), expected)
+    remote.close()
+
+
+def test_forward_over_shared_memory_is_one_native_call_counted_in_the_step_stats(model, server):
+    """RemoteExperts.forward over a shared-memory session is ShmTransport.call (no submit), gives what
+    submit and wait give and counts in the step's stats; over a call's capacity it runs in pieces."""
+    _, cfg, layer = model
+    remote = RemoteExperts(cfg, RemoteConfig(addresses=(f"127.0.0.1:{server.port}",), transport="shm"))
+    try:
+        x, ids, w = inputs(cfg, CAPACITY + 3, seed=4)
+        expected = torch.cat([remote.wait(remote.submit(layer, *part)) for part in zip(*(
+            t.split(CAPACITY) for t in (x, ids, w)))])
+        remote.take_step_stats()
+        transport = remote.owner[layer].transport(layer)
+        transport.submit = None  # forward must not split the call
+        assert torch.equal(remote.forward(layer, x[:2], ids[:2], w[:2]), expected[:2])
+        stats = remote.take_step_stats()
+        assert stats["calls"] == 1 and stats["expert_s"] > 0
+        assert stats["bytes"] == x[:2].nbytes + ids[:2].nbytes + w[:2].nbytes + expected[:2].nbytes
+        assert torch.equal(remote.forward(layer, x, ids, w), expected)
+        assert remote.take_step_stats()["calls"] == 2
+    finally:
+        remote.close()
+
+
+@pytest.mark.e2e
+def test_a_killed_server_fails_a_forward_in_flight_over_shared_memory_with_unavailable(model, spawned):
+    _, cfg, layer = model
+    remote = RemoteExperts(cfg, RemoteConfig(addresses=(spawned.address,), transport="shm", timeout_s=20))
+    x, ids, w = inputs(cfg, 2)
+    remote.forward(layer, x, ids, w)
+    spawned.pause()
+    threading.Timer(0.5, spawned.kill).start()  # the call is published and waited for by then
+    start = time.monotonic()
+    with pytest.raises(ExpertBackendError) as info:
+        remote.forward(layer, x, ids, w)
+    assert info.value.code == "UNAVAILABLE" and time.monotonic() - start < 15
     remote.close()
 
 

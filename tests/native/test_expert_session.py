@@ -374,6 +374,52 @@ def test_expect_parks_the_callers_pools_until_the_answer(executor, layers):
         s.segment.close()
 
 
+def test_call_submits_and_waits_in_one_with_the_callers_pools_parked(executor, layers):
+    """call() is submit() then finish(): the answer in out, the pools' helpers asleep on the answer's
+    doorbell while the server computes and woken by its ring; a mistake raises before anything is
+    published; past timeout_s it returns (seq, None) and the call is still the one finish() waits for."""
+    s = served_by_the_test(executor)
+    mine = tn.ThreadPool(2, 100000)
+    x, ids, w = call(2, seed=10)
+    expected = np.empty_like(x)
+    executor.run(LAYER, x, ids, w, expected)
+    try:
+        tn.moe_forward(layers[LAYER], x, ids, w, np.empty_like(x), mine)  # its helper polls now
+        out, answered = np.empty_like(x), []
+        caller = threading.Thread(target=lambda: answered.append(s.client.call(LAYER, x, ids, w, out, 0.0, 10.0, [mine])))
+        caller.start()
+        time.sleep(0.02)
+        assert cpu_seconds_over(0.05) < 0.01  # the caller and the helper asleep, not polling
+        assert s.server.serve_next(5.0)[:3] == (0, LAYER, 2)
+        caller.join()
+        (seq, (status, message, compute_s)), = answered
+        assert (status, message) == (0, "") and compute_s > 0 and np.array_equal(out, expected)
+        assert cpu_seconds_over(0.05) > 0.03  # the ring woke the helper
+        with pytest.raises(ValueError, match="^ids: "):
+            s.client.call(LAYER, x, ids.astype(np.int32), w, out, 0.0, 0.05)
+        with pytest.raises(ValueError, match="spin_us"):
+            s.client.call(LAYER, x, ids, w, out, -1.0, 0.05)
+        late, answer = s.client.call(LAYER, x, ids, w, out, 0.0, 0.05)  # nobody serves yet
+        assert (late, answer) == (seq + 1, None)  # the refused calls published nothing
+        assert s.server.serve_next(5.0)[0] == 0
+        out[:] = 0
+        assert s.client.finish(late, 0.0, 5.0, out)[0] == 0 and np.array_equal(out, expected)
+        bits = bf16_bits(x)
+        server = threading.Thread(target=s.server.serve_next, args=(5.0,))
+        server.start()
+        outb = np.empty_like(bits)
+        _, answer = s.client.call(LAYER, torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16),
+                                  torch.from_numpy(ids), torch.from_numpy(w), outb, 0.0, 5.0)
+        server.join()
+        expected_b = np.empty_like(bits)
+        executor.run(LAYER, bits, ids, w, expected_b)
+        assert answer[0] == 0 and np.array_equal(outb, expected_b)
+    finally:
+        s.server.release()
+        s.client.release()
+        s.segment.close()
+
+
 def test_client_takes_cpu_tensors_as_they_are_and_refuses_others(session, executor):
     x, ids, w = call(2, seed=3)
     expected = np.empty_like(x)

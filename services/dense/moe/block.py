@@ -35,15 +35,16 @@ class MoeBlock:
         caller computed them with x (NativeLayer)."""
         if logits is None:
             logits = self.gate(x.float())  # on both of the pool's threads: expect() parks its helpers
-        self.experts.expect(self.layer)
-        ids, weights = route(self.router, logits, self.bias) if routing is None else routing
+        if routing is None:  # the routing runs now, here: time for the backend to get its threads ready
+            self.experts.expect(self.layer)
+            routing = route(self.router, logits, self.bias)
+        ids, weights = routing
+        if self.shared is None:  # nothing to compute meanwhile
+            return self.experts.forward(self.layer, x, ids, weights)
         handle = self.experts.submit(self.layer, x, ids, weights)
         shared = self._shared(x)
-        routed = self.experts.wait(handle)
-        return routed if shared is None else routed + shared
+        return self.experts.wait(handle) + shared
 
-    def _shared(self, x: torch.Tensor) -> torch.Tensor | None:
-        if self.shared is None:
-            return None
+    def _shared(self, x: torch.Tensor) -> torch.Tensor:
         out = self.shared(x)
         return out if self.shared_gate is None else torch.sigmoid(self.shared_gate(x)) * out

@@ -175,17 +175,12 @@ class RemoteExperts(ExpertBackend):
             )
 
     def submit(self, layer, x, ids, weights):
-        server = self.owner.get(layer)
-        if server is None:
-            raise ExpertBackendError(layer, "no expert server owns this layer", "INVALID_ARGUMENT")
+        server = self._owner(layer)
         if x.shape[0] > server.capacity:  # over a call's capacity: run it in pieces, one after the other
             parts = [self.forward(layer, *chunk) for chunk in zip(*(
                 t.split(server.capacity) for t in (x, ids, weights)))]
             return None, torch.cat(parts), None, 0.0, 0
-        span = None
-        if self.trace_each and trace.get_current_span().is_recording():
-            span = _tracer.start_span("expert_call", attributes={"tandem.layer": layer, "tandem.tokens": x.shape[0]})
-        started = time.perf_counter()
+        span, started = self._span(layer, x), time.perf_counter()
         with server._lock:
             transport = server.transport(layer)
             try:
@@ -193,6 +188,20 @@ class RemoteExperts(ExpertBackend):
             except grpc.RpcError as exc:
                 raise rpc_error(layer, exc) from exc
         return transport, inner, span, started, x.nbytes + ids.nbytes + weights.nbytes
+
+    def forward(self, layer, x, ids, weights):
+        """wait(submit()); over shared memory one native call (ShmTransport.call) that rings the
+        server as it goes to sleep, leaving nothing here to run when the server's thread takes the core."""
+        server = self._owner(layer)
+        if x.shape[0] <= server.capacity:
+            with server._lock:
+                call = getattr(server.transport(layer), "call", None)
+                if call is not None:
+                    span, started = self._span(layer, x), time.perf_counter()
+                    out, compute_s = call(layer, x, ids, weights, telemetry.traceparent(span), span is not None)
+                    self._account(span, started, compute_s, x.nbytes + ids.nbytes + weights.nbytes + out.nbytes)
+                    return out
+        return super().forward(layer, x, ids, weights)
 
     def expect(self, layer):
         server = self.owner.get(layer)
@@ -212,6 +221,23 @@ class RemoteExperts(ExpertBackend):
                 out, compute_s = transport.wait(inner)
             finally:
                 unpark_pools()  # they are this process's again: the helpers' wake-up overlaps the Python before the next call
+        self._account(span, started, compute_s, sent + out.nbytes)
+        return out
+
+    def _owner(self, layer: int) -> ExpertServerClient:
+        server = self.owner.get(layer)
+        if server is None:
+            raise ExpertBackendError(layer, "no expert server owns this layer", "INVALID_ARGUMENT")
+        return server
+
+    def _span(self, layer: int, x: torch.Tensor):
+        """A span for this layer call where each is traced (trace_each) inside a recorded trace, else None."""
+        if self.trace_each and trace.get_current_span().is_recording():
+            return _tracer.start_span("expert_call", attributes={"tandem.layer": layer, "tandem.tokens": x.shape[0]})
+        return None
+
+    def _account(self, span, started: float, compute_s: float, nbytes: int) -> None:
+        """Ends a call's span and adds it to this step's stats."""
         call_s = time.perf_counter() - started
         if span is not None:
             span.set_attribute("tandem.expert_s", compute_s)
@@ -220,8 +246,7 @@ class RemoteExperts(ExpertBackend):
         s["calls"] += 1
         s["expert_s"] += compute_s
         s["transport_s"] += max(0.0, call_s - compute_s)
-        s["bytes"] += sent + out.nbytes
-        return out
+        s["bytes"] += nbytes
 
     def take_step_stats(self) -> dict:
         """Calls, bytes, seconds in the expert servers and in transport since the last take."""

@@ -116,6 +116,24 @@ class ShmTransport:
 
     def submit(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, trace: str = "",
                each: bool = False):
+        self._begin(layer)
+        seq = self._staged(layer, x, ids, weights, lambda *arrays: self._native.submit(layer, *arrays, trace, each))
+        self._pending = layer, seq
+        return layer, seq, x.shape[0], x.dtype, None if x.is_cpu else x.device
+
+    def call(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, trace: str = "",
+             each: bool = False) -> tuple[torch.Tensor, float]:
+        """submit() and wait() in one native call (tandem_native.ShmClient.call), for a caller with
+        nothing to do until the answer: ([T, D] result, seconds the server computed)."""
+        self._begin(layer)
+        out, first_s = self._out(x.shape[0], x.dtype), min(self.timeout_s, 0.25)
+        seq, answer = self._staged(layer, x, ids, weights, lambda *arrays: self._native.call(
+            layer, *arrays, out, self.spin_us, first_s, all_pools(), trace, each))
+        if answer is None:
+            answer = self._await(layer, seq, out, self.timeout_s - first_s)
+        return self._tensor(out, x.dtype, None if x.is_cpu else x.device), self._status(layer, answer)
+
+    def _begin(self, layer: int) -> None:
         if self.dead.is_set():
             raise ExpertBackendError(layer, "the expert server's session ended", "UNAVAILABLE")
         if self._pending is not None:  # an answer nobody waited for: awaited (the slots are in use) and dropped
@@ -124,17 +142,19 @@ class ShmTransport:
             except ExpertBackendError:  # that call's own error is not this one's, unless the session ended
                 if self.dead.is_set():
                     raise
-        try:  # CPU tensors of the wire's dtypes go as they are
-            seq = self._native.submit(layer, x, ids, weights, trace, each)
-        except ValueError:  # on another device, of another dtype or strided: converted, then checked again
+
+    @staticmethod
+    def _staged(layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, send):
+        """send(x, ids, weights): CPU tensors of the wire's dtypes go as they are; others (on another
+        device, of another dtype, strided) are converted and checked again."""
+        try:
+            return send(x, ids, weights)
+        except ValueError:
             wire_dtype = torch.bfloat16 if x.dtype is torch.bfloat16 else torch.float32
             try:
-                seq = self._native.submit(layer, host_array(x, wire_dtype), host_array(ids, torch.int64),
-                                          host_array(weights, torch.float32), trace, each)
+                return send(host_array(x, wire_dtype), host_array(ids, torch.int64), host_array(weights, torch.float32))
             except ValueError as exc:  # the call does not fit the session (hidden size, tokens, top-k)
                 raise ExpertBackendError(layer, str(exc), "INVALID_ARGUMENT") from exc
-        self._pending = layer, seq
-        return layer, seq, x.shape[0], x.dtype, None if x.is_cpu else x.device
 
     def expect(self) -> None:
         """Wakes the server's helpers for a call that follows shortly (tandem_native.ShmClient.expect)."""
@@ -159,6 +179,10 @@ class ShmTransport:
         answer = self._native.finish(seq, self.spin_us, first_s, out, all_pools())
         if answer is None:
             answer = self._await(layer, seq, out, self.timeout_s - first_s)
+        return self._status(layer, answer)
+
+    @staticmethod
+    def _status(layer: int, answer: tuple[int, str, float]) -> float:
         status, message, compute_s = answer
         if status:
             raise ExpertBackendError(layer, message, _STATUS.get(status, "INTERNAL"))
@@ -167,14 +191,23 @@ class ShmTransport:
     def wait(self, handle) -> tuple[torch.Tensor, float]:
         """([T, D] result, seconds the server computed)."""
         layer, seq, t, dtype, device = handle  # device: None for the CPU
-        out = np.empty((t, self.hidden), np.int16 if dtype is torch.bfloat16 else np.float32)
+        out = self._out(t, dtype)
         compute_s = self.check(layer, seq, out)
+        return self._tensor(out, dtype, device), compute_s
+
+    def _out(self, t: int, dtype: torch.dtype) -> np.ndarray:
+        """The [T, D] array an answer is copied into: the wire's dtype for dtype (bfloat16 as int16 bits)."""
+        return np.empty((t, self.hidden), np.int16 if dtype is torch.bfloat16 else np.float32)
+
+    @staticmethod
+    def _tensor(out: np.ndarray, dtype: torch.dtype, device: torch.device | None = None) -> torch.Tensor:
+        """The answer copied into out as a tensor of dtype on device (None: the CPU)."""
         result = torch.from_numpy(out)
         if dtype is torch.bfloat16:
             result = result.view(torch.bfloat16)
         if result.dtype is not dtype or device is not None:
             result = result.to(device=device, dtype=dtype)
-        return result, compute_s
+        return result
 
     def _await(self, layer: int, seq: int, out: np.ndarray | None, left_s: float) -> tuple[int, str, float]:
         """The slow path of check(): waits in slices, watching the session and the deadline."""

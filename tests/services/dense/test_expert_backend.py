@@ -8,9 +8,12 @@ from services.common.errors import ExpertBackendError
 from services.common.model_config import parse_model_config
 from services.dense.loader import open_checkpoint
 from services.dense.models.decoder import MoeDecoder
+from services.dense.moe.block import MoeBlock
 from services.dense.moe.experts import ExpertBackend
 from services.dense.moe.reference import TorchExperts
+from services.dense.moe.router import route
 from services.dense.weights import WeightLoader
+from tests import checkpoints
 from tests.conftest import load_fp32
 
 
@@ -43,6 +46,49 @@ def test_every_moe_layer_calls_the_backend_once_per_forward_with_right_shapes(fa
     d, k = cfg.hidden_size, cfg.moe.top_k
     expected = [(i, (t, d), (t, k), (t, k), torch.int64, torch.float32) for t in (len(prompt_ids), 1) for i in moe_layers]
     assert counting.calls == expected
+
+
+class RecordingExperts(CountingExperts):
+    """Also records the entry points the MoE block uses, in order (forward's default goes on to submit)."""
+
+    def __init__(self, path):
+        super().__init__(path)
+        self.used = []
+
+    def expect(self, layer):
+        self.used.append("expect")
+
+    def forward(self, layer, x, ids, weights):
+        self.used.append("forward")
+        return super().forward(layer, x, ids, weights)
+
+    def submit(self, layer, x, ids, weights):
+        self.used.append("submit")
+        return super().submit(layer, x, ids, weights)
+
+    def wait(self, handle):
+        self.used.append("wait")
+        return super().wait(handle)
+
+
+@pytest.mark.parametrize("name, shared", [("qwen3_moe", False), ("deepseek_v3", True)])
+def test_the_moe_block_hints_the_routing_it_runs_and_splits_the_call_only_around_shared_experts(name, shared):
+    """expect() comes only where the block routes (a caller that routed, NativeLayer, has the call
+    follow at once); a block with shared experts computes them between submit and wait, one without
+    makes the call in one forward. The result is the same either way."""
+    path = checkpoints.checkpoint(name)
+    recording = RecordingExperts(path)
+    model, _ = load_fp32(path, recording)
+    block = next(layer.mlp for layer in model.layers if isinstance(layer.mlp, MoeBlock))
+    assert (block.shared is not None) == shared
+    x = torch.randn(2, model.cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+    call = ["submit", "wait"] if shared else ["forward", "submit", "wait"]
+    routed_here = block(x)
+    assert recording.used == ["expect", *call]
+    recording.used.clear()
+    logits = block.gate(x.float())
+    assert torch.equal(block(x, logits, route(block.router, logits, block.bias)), routed_here)
+    assert recording.used == call
 
 
 def test_dense_side_never_reads_routed_expert_tensors_with_a_non_local_backend(family_checkpoint):

@@ -243,16 +243,22 @@ def cpu_seconds_over(seconds: float) -> float:
     return (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
 
 
+def polling_pool_and_call(executor, seed):
+    """A session the test serves, a pool whose helpers poll 100 ms after a call (so that their spin
+    shows in the CPU time), a call's arrays and the executor's answer to it."""
+    s = served_by_the_test(executor)
+    x, ids, w = call(2, seed=seed)
+    expected = np.empty_like(x)
+    executor.run(LAYER, x, ids, w, expected)
+    return s, tn.ThreadPool(2, 100000), (x, ids, w), expected
+
+
 def test_the_answer_wakes_the_waiting_sides_pools(executor, layers):
     """A wait given pools parks their helpers on the answer's doorbell: they sleep while the server
     computes and are woken by its ring, spinning for the caller's next call (a pool that polls
     100 ms after a call, so its spin shows in the CPU time); a wait that times out leaves the pool
     working as before."""
-    s = served_by_the_test(executor)
-    mine = tn.ThreadPool(2, 100000)
-    x, ids, w = call(2, seed=3)
-    expected = np.empty_like(x)
-    executor.run(LAYER, x, ids, w, expected)
+    s, mine, (x, ids, w), expected = polling_pool_and_call(executor, seed=3)
     try:
         for _ in range(2):
             tn.moe_forward(layers[LAYER], x, ids, w, np.empty_like(x), mine)  # its helper polls now
@@ -378,11 +384,7 @@ def test_call_submits_and_waits_in_one_with_the_callers_pools_parked(executor, l
     """call() is submit() then finish(): the answer in out, the pools' helpers asleep on the answer's
     doorbell while the server computes and woken by its ring; a mistake raises before anything is
     published; past timeout_s it returns (seq, None) and the call is still the one finish() waits for."""
-    s = served_by_the_test(executor)
-    mine = tn.ThreadPool(2, 100000)
-    x, ids, w = call(2, seed=10)
-    expected = np.empty_like(x)
-    executor.run(LAYER, x, ids, w, expected)
+    s, mine, (x, ids, w), expected = polling_pool_and_call(executor, seed=10)
     try:
         tn.moe_forward(layers[LAYER], x, ids, w, np.empty_like(x), mine)  # its helper polls now
         out, answered = np.empty_like(x), []

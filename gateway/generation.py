@@ -5,6 +5,7 @@ client's disconnect cancelling every call."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -197,40 +198,60 @@ class Runner:
     async def stream(self, requests: list[pb.GenerateRequest]) -> AsyncIterator[Piece]:
         """The n choices' responses merged as they come; raises ApiError on a dense error."""
         span = self._span()
-        metadata = telemetry.metadata(span)
-        queue: asyncio.Queue = asyncio.Queue()
-        tasks = [asyncio.create_task(self._pump(i, r, queue, metadata)) for i, r in enumerate(requests)]
         clock = _Clock(self.metrics)
         self.metrics.running.inc()
         try:
-            for _ in range(len(tasks)):
-                while True:
-                    item = await queue.get()
-                    if isinstance(item, BaseException):
-                        span.set_status(trace.Status(trace.StatusCode.ERROR, str(item)))
-                        raise item
-                    if item is None:
-                        break
-                    clock.tick(item)
-                    yield item
+            async with contextlib.aclosing(self._merged(requests, telemetry.metadata(span))) as pieces:
+                async for piece in pieces:
+                    clock.tick(piece)
+                    yield piece
             clock.done()
+        except ApiError as exc:
+            span.set_status(trace.Status(trace.StatusCode.ERROR, str(exc)))
+            raise
         except (GeneratorExit, asyncio.CancelledError):
             self.metrics.disconnects.inc()  # the client went away mid-stream
             clock.reasons.append("abort")
             raise
         finally:
             self.metrics.running.dec()
-            for task in tasks:
-                task.cancel()
             clock.annotate(span, self.tracing.record_content)
             span.end()
 
-    async def _pump(self, index: int, request: pb.GenerateRequest, queue: asyncio.Queue, metadata) -> None:
+    async def _merged(self, requests: list[pb.GenerateRequest], metadata) -> AsyncIterator[Piece]:
+        """One choice's stream as it is (no task and queue between it and the client: a streamed
+        token crosses the event loop once); several merged through a queue, a task each."""
+        if len(requests) == 1:
+            async with contextlib.aclosing(self._responses(0, requests[0], metadata)) as pieces:
+                async for piece in pieces:
+                    yield piece
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+        tasks = [asyncio.create_task(self._pump(i, r, queue, metadata)) for i, r in enumerate(requests)]
+        try:
+            for _ in range(len(tasks)):
+                while (item := await queue.get()) is not None:
+                    if isinstance(item, BaseException):
+                        raise item
+                    yield item
+        finally:
+            for task in tasks:
+                task.cancel()
+
+    async def _responses(self, index: int, request: pb.GenerateRequest, metadata) -> AsyncIterator[Piece]:
+        """One choice's responses; a dense error raises ApiError."""
         try:
             async for response in self.client.generate(request, metadata):
-                await queue.put(Piece(index, response))
+                yield Piece(index, response)
         except grpc.aio.AioRpcError as exc:
-            await queue.put(from_grpc(exc, self.retry_after_s))
+            raise from_grpc(exc, self.retry_after_s) from None
+
+    async def _pump(self, index: int, request: pb.GenerateRequest, queue: asyncio.Queue, metadata) -> None:
+        try:
+            async for piece in self._responses(index, request, metadata):
+                await queue.put(piece)
+        except Exception as exc:  # an ApiError, or a bug: raised by the merge, which would wait otherwise
+            await queue.put(exc)
             return
         await queue.put(None)
 

@@ -14,11 +14,12 @@ import threading
 from pathlib import Path
 
 from expert_server import store
-from expert_server.config import ServerConfig, parse_layers, parse_port
+from expert_server.config import ServerConfig, parse_layers
 from services.common import telemetry
 from services.common.checkpoint import resolve_model
 from services.common.errors import TandemError
 from services.common.expert_weights import DEFAULT_GROUP_SIZE, FORMATS, default_threads
+from services.common.grpc_defaults import parse_port
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -68,7 +69,7 @@ def serve(args: argparse.Namespace) -> int:
         model=resolve_model(args.model, args.gguf), format=args.format, layers=parse_layers(args.layers, args.shard), threads=args.threads,
         listen=args.listen, store=args.store, group_size=args.group_size, max_tokens=args.max_tokens,
         tls_cert=args.tls_cert, tls_key=args.tls_key, echo=args.echo, drain_s=args.drain_seconds,
-        spin_us=args.spin_us, compute_port=parse_port(args.compute_port),
+        spin_us=args.spin_us, compute_port=parse_port("--compute-port", args.compute_port),
     )
     print(f"expert server config: {cfg}", file=sys.stderr, flush=True)
     telemetry.setup("tandem-expert-server", telemetry.TracingConfig.from_env(os.environ))

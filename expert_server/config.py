@@ -9,16 +9,6 @@ from services.common.errors import ConfigError
 from services.common.expert_weights import FORMATS
 
 
-def parse_port(text: str) -> int | None:
-    """--compute-port: a port number, or 'off'."""
-    if text == "off":
-        return None
-    try:
-        return int(text)
-    except ValueError:
-        raise ConfigError(f"--compute-port: expected a port in [0, 65535] or 'off', got {text!r}") from None
-
-
 def parse_layers(text: str | None, shard: int | None = None) -> tuple[int, int] | None:
     """'A-B' (inclusive) or a single 'A' into a range; None means every layer. A comma list of
     ranges, one per server (as a StatefulSet gives its pods one argument list), takes the shard-th."""

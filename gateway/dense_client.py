@@ -25,6 +25,7 @@ class DenseClient:
     def __init__(self, address: str):
         self.address = address
         self._channel = None
+        self._generate: dict[int, grpc.aio.Channel] = {}  # by grpc++ Generate port (a restart may change it)
         self._info: pb.GetModelInfoResponse | None = None
 
     @property
@@ -58,13 +59,38 @@ class DenseClient:
         return await self.stub.GetStats(pb.GetStatsRequest(), timeout=2)
 
     async def generate(self, request: pb.GenerateRequest, metadata=()) -> AsyncIterator[pb.GenerateResponse]:
-        """Streams the responses; leaving the iteration early (or a cancelled task) cancels the call."""
-        call = self.stub.Generate(request, metadata=metadata)
+        """Streams the responses, from the service's grpc++ Generate port where it has one; leaving the
+        iteration early (or a cancelled task) cancels the call. A grpc++ port that does not answer (the
+        service restarted on another) is forgotten and the call made on the service's own port."""
+        native = await self._generate_stub()
+        call = (native or self.stub).Generate(request, metadata=metadata)
+        started = False
         try:
+            async for response in call:
+                started = True
+                yield response
+        except grpc.aio.AioRpcError as exc:
+            if native is None or started or exc.code() != grpc.StatusCode.UNAVAILABLE:
+                raise
+            self._info = None  # asked again by the next call
+            call = self.stub.Generate(request, metadata=metadata)
             async for response in call:
                 yield response
         finally:
             call.cancel()
+
+    async def _generate_stub(self) -> pb_grpc.DenseServiceStub | None:
+        """A stub on the port GetModelInfo names for Generate (generate_port), None without one."""
+        try:
+            port = (await self.info()).generate_port
+        except grpc.aio.AioRpcError:
+            return None  # the call on the service's own port reports what is wrong
+        if not port:
+            return None
+        if port not in self._generate:
+            host = self.address.rsplit(":", 1)[0]
+            self._generate[port] = grpc.aio.insecure_channel(f"{host}:{port}", options=CHANNEL_OPTIONS)
+        return pb_grpc.DenseServiceStub(self._generate[port])
 
     async def tokenize(self, text: str, add_special_tokens: bool) -> list[int]:
         reply = await self.stub.Tokenize(pb.TokenizeRequest(text=text, add_special_tokens=add_special_tokens),
@@ -77,6 +103,8 @@ class DenseClient:
         return reply.text
 
     async def close(self) -> None:
+        for channel in self._generate.values():
+            await channel.close()
         if self._channel is not None:
             await self._channel.close()
 

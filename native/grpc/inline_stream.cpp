@@ -18,6 +18,7 @@
 #include <string>
 
 #include "compute_server.h"
+#include "generate_server.h"
 #include "copy.h"
 #include "tandem/v1/expert.grpc.pb.h"
 
@@ -258,4 +259,5 @@ PYBIND11_MODULE(tandem_grpc, m) {
         .def("close", &InlineStream::close)
         .def_property_readonly("dead", &InlineStream::dead);
     tandem::register_compute_server(m);
+    tandem::register_generate_server(m);
 }

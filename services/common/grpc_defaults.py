@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import os
 
+from services.common.errors import ConfigError
+
 EXPERIMENTS = "-event_engine_client,-event_engine_listener,-event_engine_for_all_other_endpoints"
 
 # Keepalive on the dense side's channels to expert servers: a link that goes quiet (a cable pulled,
@@ -26,6 +28,20 @@ CLIENT_KEEPALIVE = [("grpc.keepalive_time_ms", KEEPALIVE_MS), ("grpc.keepalive_t
                     ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_pings_without_data", 0)]
 SERVER_KEEPALIVE = [("grpc.http2.min_ping_interval_without_data_ms", KEEPALIVE_MS // 2),
                     ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_ping_strikes", 0)]
+
+
+def parse_port(flag: str, text: str) -> int | None:
+    """A grpc++ server's port flag (--compute-port, --generate-port): a port number (0: any free one),
+    or 'off' (None)."""
+    if text == "off":
+        return None
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise ConfigError(f"{flag}: expected a port in [0, 65535] or 'off', got {text!r}")
+    return port
 
 
 def apply() -> None:

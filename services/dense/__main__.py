@@ -18,6 +18,7 @@ from services.common.errors import TandemError
 from services.common.telemetry import TracingConfig
 from services.common.expert_weights import FORMATS, default_threads
 from services.common.checkpoint import resolve_model
+from services.common.grpc_defaults import parse_port
 from services.dense.config import EXPERTS, DenseConfig
 from services.dense.moe.remote import GRPC_CLIENTS, TRANSPORTS, RemoteConfig
 from services.dense.runtime import DENSE_FORMATS, DTYPES, DenseRuntime
@@ -29,6 +30,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--gguf", type=Path, help="weights from this GGUF file (the first of a split); --model DIR "
                    "then gives config.json and the tokenizer")
     p.add_argument("--listen", default="127.0.0.1:50051", help="host:port (port 0: any free port)")
+    p.add_argument("--generate-port", default="0",
+                   help="port of Generate's grpc++ server, on --listen's host (default 0: any free port; GetModelInfo "
+                        "tells clients which); 'off': Generate on --listen's port only")
     p.add_argument("--served-model-name", default="", help="the name clients use (default: the directory's)")
     p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda[:N]")
     p.add_argument("--dtype", choices=list(DTYPES), default="bfloat16", help="activations, KV cache and float weights")
@@ -74,7 +78,7 @@ def config(argv: list[str]) -> DenseConfig:
         threads=a.threads, remote=remote, kv_tokens=a.kv_tokens, kv_memory_fraction=a.kv_memory_fraction,
         block_size=a.block_size, max_batch_tokens=a.max_batch_tokens, max_running=a.max_running,
         max_queue=a.max_queue, prefix_caching=a.prefix_caching, keep_cpus_awake=a.keep_cpus_awake, listen=a.listen,
-        served_model_name=a.served_model_name,
+        generate_port=parse_port("--generate-port", a.generate_port), served_model_name=a.served_model_name,
         tracing=TracingConfig.from_env(os.environ),
     )
 

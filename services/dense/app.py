@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import re
@@ -19,6 +20,7 @@ from services.common.checkpoint import Checkpoint
 from services.common.errors import ConfigError
 from services.common.expert_weights import packed_bytes
 from services.common.model_config import parse_model_config
+from services.dense import native_generate
 from services.dense.config import DenseConfig
 from services.dense.engine import Engine
 from services.dense.kv_cache import bytes_per_token
@@ -138,10 +140,15 @@ class RunningDense:
     port: int
     experts: object
     stopping: threading.Event
+    servicer: DenseServicer | None = None
+    generate: object | None = None  # tandem_grpc.GenerateServer, serving the servicer's open_stream
 
     def stop(self, grace: float | None = None) -> None:
         self.stopping.set()
-        self.server.stop(grace).wait()
+        stopped = self.server.stop(grace)
+        if self.generate is not None:
+            self.generate.stop(grace or 0.0)
+        stopped.wait()
         self.engine.stop()
         if self.experts is not None:
             self.experts.close()
@@ -159,7 +166,11 @@ def start(cfg: DenseConfig, experts=None) -> RunningDense:
     info = ModelInfo(cfg.served_model_name or cfg.model.name, cfg.experts,
                      cfg.remote.addresses if cfg.remote else (), cfg.runtime.dtype, str(model.device))
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max(16, cfg.max_running + cfg.max_queue // 4)))
-    pb_grpc.add_DenseServiceServicer_to_server(DenseServicer(engine, Tokenizer(cfg.model), info), server)
+    servicer = DenseServicer(engine, Tokenizer(cfg.model), info)
+    generate = native_generate.start(cfg, servicer)
+    if generate is not None:
+        servicer.info = dataclasses.replace(info, generate_port=generate.port)
+    pb_grpc.add_DenseServiceServicer_to_server(servicer, server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
@@ -171,4 +182,4 @@ def start(cfg: DenseConfig, experts=None) -> RunningDense:
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     stopping = threading.Event()
     threading.Thread(target=watch_experts, args=(health_servicer, experts, stopping), daemon=True).start()
-    return RunningDense(server, engine, port, experts, stopping)
+    return RunningDense(server, engine, port, experts, stopping, servicer, generate)

@@ -32,6 +32,7 @@ class DenseConfig:
     prefix_caching: bool = True
     keep_cpus_awake: bool = True  # while decoding (services/common/cpu_wake.py)
     listen: str = "127.0.0.1:50051"
+    generate_port: int | None = 0  # the grpc++ Generate server's port on listen's host (0: any free one); None: none
     served_model_name: str = ""
     tracing: TracingConfig = TracingConfig()
 
@@ -49,6 +50,8 @@ class DenseConfig:
         for name in ("block_size", "max_batch_tokens", "max_running"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(self, name)}")
+        if self.generate_port is not None and not 0 <= self.generate_port <= 65535:
+            raise ConfigError(f"--generate-port: expected a port in [0, 65535] or 'off', got {self.generate_port}")
         if self.max_queue < 0:
             raise ConfigError(f"--max-queue: must be >= 0, got {self.max_queue}")
 

@@ -12,10 +12,11 @@ import time
 from dataclasses import dataclass
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from services.common.errors import InvalidRequestError, TandemError
 from services.common import telemetry
-from services.common.grpc_status import abort
+from services.common.grpc_status import abort, status_of
 from services.dense import tracing
 from services.dense.constraint import Grammars
 from services.dense.engine import Engine
@@ -36,6 +37,7 @@ class ModelInfo:
     expert_servers: tuple[str, ...]
     dtype: str
     device: str
+    generate_port: int = 0  # the grpc++ Generate server's (0: none)
 
 
 def sampling_params(req: pb.GenerateRequest) -> SamplingParams:
@@ -64,12 +66,26 @@ def sampling_params(req: pb.GenerateRequest) -> SamplingParams:
     )
 
 
+class SinkOutputs:
+    """A request's outputs onto a grpc++ Generate stream: the engine's thread puts each, serialized
+    (an error ends the stream with its status)."""
+
+    def __init__(self, sink, response):
+        self.sink, self.response = sink, response
+
+    def put(self, out: Output) -> None:
+        if out.error is not None:
+            self.sink.fail(status_of(out.error).value[0], str(out.error))
+        else:
+            self.sink.push(self.response(out).SerializeToString(), out.finished)
+
+
 class DenseServicer(pb_grpc.DenseServiceServicer):
     def __init__(self, engine: Engine, tokenizer: Tokenizer, info: ModelInfo):
         self.engine, self.tokenizer, self.info = engine, tokenizer, info
         self.grammars = Grammars(tokenizer.path, tokenizer.eos_token_ids)
 
-    def _request(self, req: pb.GenerateRequest, context) -> Request:
+    def _request(self, req: pb.GenerateRequest, remaining: float | None) -> Request:
         kind = req.WhichOneof("prompt")
         if kind is None:
             raise InvalidRequestError("prompt: set text or token_ids")
@@ -79,7 +95,6 @@ class DenseServicer(pb_grpc.DenseServiceServicer):
         constraint = None
         if req.HasField("constraint") and req.constraint.grammar:
             constraint = self.grammars.constraint(req.constraint.grammar, req.constraint.after)
-        remaining = context.time_remaining()
         return Request(
             request_id=req.request_id or f"req-{next(_ids)}", prompt=prompt, params=params,
             eos_ids=self.tokenizer.eos_token_ids, tokenizer=self.tokenizer,
@@ -89,7 +104,7 @@ class DenseServicer(pb_grpc.DenseServiceServicer):
 
     def Generate(self, request, context):
         try:
-            req = self._request(request, context)
+            req = self._request(request, context.time_remaining())
         except TandemError as exc:
             abort(context, exc)
         tracing.start_request(telemetry.context_from(dict(context.invocation_metadata())), req)
@@ -112,6 +127,24 @@ class DenseServicer(pb_grpc.DenseServiceServicer):
             yield self._response(out)
             if out.finished:
                 return
+
+    def open_stream(self, sink, request: bytes, metadata: dict[str, str], remaining: float | None):
+        """Generate on the grpc++ server (tandem_grpc.GenerateServer): the request submitted with its
+        outputs pushed into sink as they come -> (0, "", abort), or (status code, message, None)."""
+        try:
+            req = self._request(pb.GenerateRequest.FromString(request), remaining)
+        except DecodeError as exc:
+            return grpc.StatusCode.INVALID_ARGUMENT.value[0], f"the request did not parse: {exc}", None
+        except TandemError as exc:
+            return status_of(exc).value[0], str(exc), None
+        req.outputs = SinkOutputs(sink, self._response)
+        tracing.start_request(telemetry.context_from(metadata), req)
+        try:
+            self.engine.submit(req)
+        except TandemError as exc:
+            tracing.end_request(req, None, exc)
+            return status_of(exc).value[0], str(exc), None
+        return 0, "", lambda: self.engine.abort(req)
 
     def _response(self, out: Output) -> pb.GenerateResponse:
         text_of = self.tokenizer.token_text
@@ -144,7 +177,7 @@ class DenseServicer(pb_grpc.DenseServiceServicer):
             name=info.name, family=cfg.family, context_length=cfg.max_position_embeddings, dtype=info.dtype,
             device=info.device, expert_servers=info.expert_servers, experts=info.experts, vocab_size=cfg.vocab_size,
             kv_cache_tokens=self.engine.pool.num_blocks * self.engine.pool.block_size,
-            chat_template=self.tokenizer.chat_template, eos_token_ids=self.tokenizer.eos_token_ids,
+            generate_port=info.generate_port, chat_template=self.tokenizer.chat_template, eos_token_ids=self.tokenizer.eos_token_ids,
             bos_token=self.tokenizer.special_token("bos_token"), eos_token=self.tokenizer.special_token("eos_token"),
         )
 

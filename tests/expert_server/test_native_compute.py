@@ -3,6 +3,8 @@ Compute, the same spans, and its part in a drain. Bad calls are in test_robustne
 T tokens, D hidden size, K experts per token.
 """
 
+import functools
+
 import grpc
 import numpy as np
 import pytest
@@ -12,9 +14,10 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from expert_server import tracing
-from expert_server.config import ServerConfig, parse_port
+from expert_server.config import ServerConfig
 from services.common import telemetry
 from services.common.errors import ConfigError, ExpertBackendError
+from services.common.grpc_defaults import parse_port
 from services.dense.loader import open_checkpoint
 from services.dense.moe.remote import RemoteConfig, RemoteExperts
 from services.dense.moe.transport import NativeInlineTransport, native_grpc
@@ -138,10 +141,13 @@ def test_a_drain_refuses_new_streams_answers_the_open_ones_then_ends_them(model)
 
 
 def test_compute_port_flag_is_a_port_or_off():
-    assert parse_port("off") is None and parse_port("0") == 0 and parse_port("50062") == 50062
+    port = functools.partial(parse_port, "--compute-port")
+    assert port("off") is None and port("0") == 0 and port("50062") == 50062
     for bad in ("x", "70000", "-1"):
         with pytest.raises(ConfigError, match="--compute-port"):
-            ServerConfig(model=checkpoint("qwen3_moe"), compute_port=parse_port(bad))
+            port(bad)
+    with pytest.raises(ConfigError, match="--compute-port"):
+        ServerConfig(model=checkpoint("qwen3_moe"), compute_port=70000)
 
 
 def random_request(rng, cfg, moe) -> pb.ComputeRequest:

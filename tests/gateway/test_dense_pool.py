@@ -2,6 +2,7 @@
 killed one is skipped (no 5xx to new requests, /health, /v1/models and /metrics stay right), and it
 takes traffic again once it is back on its address."""
 
+import asyncio
 import concurrent.futures
 import time
 
@@ -65,3 +66,31 @@ def test_requests_spread_a_killed_service_is_skipped_and_taken_back():
 def test_bad_dense_lists_are_config_errors(addresses):
     with pytest.raises(ConfigError, match="--dense"):
         GatewayConfig(dense=addresses)
+
+
+def test_generate_goes_to_the_grpc_port_and_finds_it_again_after_a_restart():
+    from gateway.dense_client import DenseClient
+    from tandem.v1 import dense_pb2 as pb
+
+    request = pb.GenerateRequest(text="Once upon a time", sampling=pb.SamplingParams(temperature=0),
+                                 stopping=pb.StoppingCriteria(max_tokens=6, ignore_eos=True))
+
+    async def tokens(client):
+        return [t async for r in client.generate(request) for t in r.token_ids]
+
+    async def run():
+        a = dense(PATH)
+        client = DenseClient(f"127.0.0.1:{a.port}")
+        try:
+            first, port = await tokens(client), a.generate.port
+            assert list(client._generate) == [port] and a.engine.pool.queries > 0
+            a.stop(0)
+            a = dense(PATH, listen=f"127.0.0.1:{a.port}")  # the same address, another grpc++ port
+            assert a.generate.port != port
+            assert await tokens(client) == first  # its old grpc++ port refused: the call went to the service's own
+            assert await tokens(client) == first and list(client._generate) == [port, a.generate.port]
+        finally:
+            await client.close()
+            a.stop(0)
+
+    asyncio.run(run())

@@ -1,11 +1,15 @@
-"""The dense service over gRPC: streaming, stop strings, UTF-8, limits, cancellation, deadlines."""
+"""The dense service over gRPC: streaming, stop strings, UTF-8, limits, cancellation, deadlines; each
+Generate test on both of its ports, grpcio's and the grpc++ one GetModelInfo names (generate_port)."""
 
+import contextlib
 import time
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.common.errors import ConfigError
+from services.common.grpc_defaults import native_grpc, parse_port
 from services.dense.app import start
 from services.dense.config import DenseConfig
 from services.dense.detokenizer import Detokenizer
@@ -21,6 +25,7 @@ pytest.importorskip("tandem_native")
 pytestmark = pytest.mark.native
 
 PATH = checkpoint("qwen3_moe")
+PORTS = ("grpcio", "grpc++")
 
 
 class SlowExperts(ExpertBackend):
@@ -51,20 +56,44 @@ def serve(experts=None, **kw):
     return running, channel, pb_grpc.DenseServiceStub(channel)
 
 
-@pytest.fixture(scope="module")
-def service():
-    running, channel, stub = serve()
-    yield running, stub
-    channel.close()
-    running.stop(1)
+class Stubs:
+    """The service's stub with Generate on the grpc++ port GetModelInfo names."""
+
+    def __init__(self, stub, port: int):
+        self.stub, self.channel = stub, grpc.insecure_channel(f"127.0.0.1:{port}")
+        self.Generate = pb_grpc.DenseServiceStub(self.channel).Generate
+
+    def __getattr__(self, name):
+        return getattr(self.stub, name)
 
 
-@pytest.fixture(scope="module")
-def slow_service():
-    running, channel, stub = serve(SlowExperts(), kv_tokens=256, block_size=16, max_queue=1)
-    yield running, stub
-    channel.close()
-    running.stop(1)
+@contextlib.contextmanager
+def served(port: str, experts=None, **kw):
+    """(running service, stub) with Generate on its grpcio port or ("grpc++") its own."""
+    if port == "grpc++" and not native_grpc():
+        pytest.skip("tandem_grpc was not built (grpc++ is not installed)")
+    running, channel, stub = serve(experts, **kw)
+    if port == "grpc++":
+        stub = Stubs(stub, stub.GetModelInfo(pb.GetModelInfoRequest()).generate_port)
+    try:
+        yield running, stub
+    finally:
+        channel.close()
+        if port == "grpc++":
+            stub.channel.close()
+        running.stop(1)
+
+
+@pytest.fixture(scope="module", params=PORTS)
+def service(request):
+    with served(request.param) as s:
+        yield s
+
+
+@pytest.fixture(scope="module", params=PORTS)
+def slow_service(request):
+    with served(request.param, SlowExperts(), kv_tokens=256, block_size=16, max_queue=1) as s:
+        yield s
 
 
 def request(text="The quick brown fox", max_tokens=12, **sampling):
@@ -236,8 +265,6 @@ def test_full_kv_cache_queues_then_refuses_with_resource_exhausted(slow_service)
 
 
 def test_start_prints_the_memory_it_needs_and_refuses_what_the_machine_lacks(capsys):
-    from services.common.errors import ConfigError
-
     cfg = DenseConfig(model=PATH, runtime=DenseRuntime("float32", "cpu"), experts="native", expert_format="int8",
                       threads=1, listen="127.0.0.1:0", kv_tokens=10**9)
     with pytest.raises(ConfigError, match=r"needs [\d.]+ GiB on cpu \(.* GiB of weights \(float32\), [\d.]+ GiB of KV "
@@ -245,3 +272,50 @@ def test_start_prints_the_memory_it_needs_and_refuses_what_the_machine_lacks(cap
                                           r"use --dtype bfloat16, fewer --kv-tokens"):
         start(cfg)
     assert "dense service: needs" in capsys.readouterr().err
+
+
+def test_the_grpc_port_streams_what_the_grpcio_port_streams():
+    with served("grpc++") as (running, stubs):
+        assert stubs.GetModelInfo(pb.GetModelInfoRequest()).generate_port == running.generate.port
+        req = request(max_tokens=10)
+        req.logprobs = 2
+        fields = [[(r.token_ids, r.text, r.logprobs, r.finish_reason, r.usage) for r in call(req)]
+                  for call in (stubs.stub.Generate, stubs.Generate)]
+        assert fields[0] == fields[1] and len(fields[0]) == 10
+        with pytest.raises(grpc.RpcError) as info:  # its port serves Generate only
+            pb_grpc.DenseServiceStub(stubs.channel).Tokenize(pb.TokenizeRequest(text="x"))
+        assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+def test_a_request_that_does_not_parse_is_invalid_argument():
+    with served("grpc++") as (running, _):
+        code, message, abort = running.servicer.open_stream(None, b"\xff\xff", {}, None)
+        assert (code, abort) == (grpc.StatusCode.INVALID_ARGUMENT.value[0], None) and "did not parse" in message
+        assert not running.engine.waiting and not running.engine.running
+
+
+def test_stopping_the_service_ends_a_grpc_stream_under_way():
+    with served("grpc++", SlowExperts()) as (running, stubs):
+        call = stubs.Generate(request(max_tokens=200))
+        next(call)
+        running.stop(0.2)
+        with pytest.raises(grpc.RpcError) as info:
+            collect(call)
+        assert info.value.code() in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE)
+        assert running.generate.open_streams == 0 and not running.engine.running
+
+
+def test_generate_port_off_and_bad_values():
+    running, channel, stub = serve(generate_port=None)
+    try:
+        assert running.generate is None and stub.GetModelInfo(pb.GetModelInfoRequest()).generate_port == 0
+        assert collect(stub.Generate(request(max_tokens=2)))[2].finish_reason == pb.LENGTH
+    finally:
+        channel.close()
+        running.stop(1)
+    assert parse_port("--generate-port", "off") is None and parse_port("--generate-port", "0") == 0
+    for bad in ("x", "70000", "-1"):
+        with pytest.raises(ConfigError, match="--generate-port"):
+            parse_port("--generate-port", bad)
+    with pytest.raises(ConfigError, match="--generate-port"):
+        DenseConfig(model=PATH, runtime=DenseRuntime("float32", "cpu"), generate_port=70000)

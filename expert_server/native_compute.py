@@ -17,8 +17,7 @@ from expert_server.config import ServerConfig
 from expert_server.drain import CallActivity, quiet
 from expert_server.executor import ExpertExecutor
 from expert_server.tracing import CallTracer
-from services.common.errors import ConfigError
-from services.common.grpc_defaults import KEEPALIVE_MS, native_grpc
+from services.common.grpc_defaults import KEEPALIVE_MS, native_server
 
 log = logging.getLogger(__name__)
 MAX_MESSAGE_BYTES = 256 << 20
@@ -82,11 +81,6 @@ class NativeCompute:
 def start(cfg: ServerConfig, executor: ExpertExecutor, activity: CallActivity) -> NativeCompute | None:
     """The grpc++ Compute server, or None where it is off or tandem_grpc was not built (Compute is then
     served on --listen's port only); an explicit port without tandem_grpc is a ConfigError."""
-    if cfg.compute_port is None:
-        return None
-    if not native_grpc():
-        if cfg.compute_port:
-            raise ConfigError(f"--compute-port {cfg.compute_port}: tandem_grpc was not built (grpc++ is not installed)")
-        log.info("tandem_grpc not built: Compute is served on %s only", cfg.listen)
+    if not native_server("--compute-port", cfg.compute_port, "Compute", cfg.listen):
         return None
     return NativeCompute(cfg, executor, activity)

@@ -13,9 +13,7 @@
 #include "compute_server.h"
 
 #include <grpcpp/grpcpp.h>
-#include <grpcpp/resource_quota.h>
 
-#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -25,6 +23,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "server_setup.h"
 #include "tandem/executor_api.h"
 #include "tandem/v1/expert.grpc.pb.h"
 
@@ -211,29 +210,14 @@ public:
             throw std::invalid_argument("executor: C table version " + std::to_string(api_->version) + ", expected " +
                                         std::to_string(TANDEM_EXECUTOR_API_VERSION) + " (rebuild both modules)");
         service_ = std::make_unique<ComputeService>(api_, &records_);
-        grpc::ServerBuilder builder;
         std::shared_ptr<grpc::ServerCredentials> creds = grpc::InsecureServerCredentials();
         if (!cert_pem.empty()) {
             grpc::SslServerCredentialsOptions options;
             options.pem_key_cert_pairs.push_back({key_pem, cert_pem});
             creds = grpc::SslServerCredentials(options);
         }
-        builder.AddListeningPort(address, creds, &port_);
-        builder.SetMaxReceiveMessageSize(max_message_bytes);
-        builder.SetMaxSendMessageSize(max_message_bytes);
-        // Clients ping every keepalive_ms (services/common/grpc_defaults.py): allowed, calls or not.
-        builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, keepalive_ms / 2);
-        builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
-        builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_PING_STRIKES, 0);
-        grpc::ResourceQuota quota("tandem-compute");
-        quota.SetMaxThreads(max_threads);  // a thread a stream, and the pollers: streams past it get RESOURCE_EXHAUSTED
-        builder.SetResourceQuota(quota);
-        builder.RegisterService(service_.get());
-        {
-            py::gil_scoped_release release;
-            server_ = builder.BuildAndStart();
-        }
-        if (!server_ || port_ == 0) throw std::runtime_error("cannot listen on " + address);
+        server_ = tandem::start_server(service_.get(), address, creds, max_message_bytes, max_threads, keepalive_ms,
+                                       "tandem-compute", &port_);
     }
 
     ~ComputeServer() { stop(0.0); }
@@ -271,13 +255,7 @@ public:
     void stop(double grace_s) {
         if (!server_) return;
         service_->draining = true;
-        {
-            py::gil_scoped_release release;
-            server_->Shutdown(std::chrono::system_clock::now() +
-                              std::chrono::microseconds(int64_t(std::max(0.0, std::min(grace_s, 1e6)) * 1e6)));
-            server_->Wait();
-        }
-        server_.reset();
+        tandem::stop_server(server_, grace_s);
         records_.close();
     }
 

@@ -11,9 +11,7 @@
 #include "generate_server.h"
 
 #include <grpcpp/grpcpp.h>
-#include <grpcpp/resource_quota.h>
 
-#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -23,6 +21,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "server_setup.h"
 #include "tandem/v1/dense.grpc.pb.h"
 
 namespace py = pybind11;
@@ -172,23 +171,8 @@ public:
     GenerateServer(py::object open, const std::string& address, int max_message_bytes, int max_threads,
                    int keepalive_ms) {
         service_ = std::make_unique<GenerateService>(std::move(open));
-        grpc::ServerBuilder builder;
-        builder.AddListeningPort(address, grpc::InsecureServerCredentials(), &port_);
-        builder.SetMaxReceiveMessageSize(max_message_bytes);
-        builder.SetMaxSendMessageSize(max_message_bytes);
-        // Clients ping every keepalive_ms (services/common/grpc_defaults.py): allowed, calls or not.
-        builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, keepalive_ms / 2);
-        builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
-        builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_PING_STRIKES, 0);
-        grpc::ResourceQuota quota("tandem-generate");
-        quota.SetMaxThreads(max_threads);  // a thread a stream, and the pollers: streams past it get RESOURCE_EXHAUSTED
-        builder.SetResourceQuota(quota);
-        builder.RegisterService(service_.get());
-        {
-            py::gil_scoped_release release;
-            server_ = builder.BuildAndStart();
-        }
-        if (!server_ || port_ == 0) throw std::runtime_error("cannot listen on " + address);
+        server_ = tandem::start_server(service_.get(), address, grpc::InsecureServerCredentials(), max_message_bytes,
+                                       max_threads, keepalive_ms, "tandem-generate", &port_);
     }
 
     ~GenerateServer() { stop(0.0); }
@@ -203,13 +187,7 @@ public:
     void stop(double grace_s) {
         if (!server_) return;
         service_->draining = true;
-        {
-            py::gil_scoped_release release;
-            server_->Shutdown(std::chrono::system_clock::now() +
-                              std::chrono::microseconds(int64_t(std::max(0.0, std::min(grace_s, 1e6)) * 1e6)));
-            server_->Wait();
-        }
-        server_.reset();
+        tandem::stop_server(server_, grace_s);
     }
 
 private:

@@ -12,9 +12,12 @@ health and reflection behave the same; `GRPC_EXPERIMENTS=` (empty) restores grpc
 
 from __future__ import annotations
 
+import logging
 import os
 
 from services.common.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 EXPERIMENTS = "-event_engine_client,-event_engine_listener,-event_engine_for_all_other_endpoints"
 
@@ -42,6 +45,19 @@ def parse_port(flag: str, text: str) -> int | None:
     if not 0 <= port <= 65535:
         raise ConfigError(f"{flag}: expected a port in [0, 65535] or 'off', got {text!r}")
     return port
+
+
+def native_server(flag: str, port: int | None, what: str, listen: str) -> bool:
+    """Whether to start the grpc++ server a port flag asks for (None: off). Where tandem_grpc was not
+    built, an explicit port is a ConfigError and port 0 leaves `what` on listen's grpcio port."""
+    if port is None:
+        return False
+    if native_grpc():
+        return True
+    if port:
+        raise ConfigError(f"{flag} {port}: tandem_grpc was not built (grpc++ is not installed)")
+    log.info("tandem_grpc not built: %s is served on %s only", what, listen)
+    return False
 
 
 def apply() -> None:

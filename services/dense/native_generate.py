@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import logging
 
-from services.common.errors import ConfigError
-from services.common.grpc_defaults import KEEPALIVE_MS, native_grpc
+from services.common.grpc_defaults import KEEPALIVE_MS, native_server
 from services.dense.config import DenseConfig
 from services.dense.server import DenseServicer
 
@@ -24,12 +23,7 @@ def start(cfg: DenseConfig, servicer: DenseServicer):
     """The running tandem_grpc.GenerateServer, or None where it is off or tandem_grpc was not built
     (Generate is then served on --listen's port only); an explicit port without tandem_grpc is a
     ConfigError."""
-    if cfg.generate_port is None:
-        return None
-    if not native_grpc():
-        if cfg.generate_port:
-            raise ConfigError(f"--generate-port {cfg.generate_port}: tandem_grpc was not built (grpc++ is not installed)")
-        log.info("tandem_grpc not built: Generate is served on %s only", cfg.listen)
+    if not native_server("--generate-port", cfg.generate_port, "Generate", cfg.listen):
         return None
     import tandem_grpc
 

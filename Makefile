@@ -49,7 +49,7 @@ iproute2:
 	  echo "iproute2 is not installed (needs root and apt-get): the two-host test will skip"
 
 # Rebuild the kernels (and tandem_grpc) in place when their sources change.
-$(NATIVE_STAMP): $(STAMP) $(NATIVE_SOURCES) protos/tandem/v1/expert.proto protos/tandem/v1/dense.proto | grpc-cpp
+$(NATIVE_STAMP): $(STAMP) $(NATIVE_SOURCES) protos/tandem/v1/expert.proto | grpc-cpp
 	$(PY) setup.py --quiet build_ext --inplace
 	touch $(NATIVE_STAMP)
 

@@ -64,7 +64,7 @@ def pkg_config(*args: str) -> list[str]:
 
 
 def grpc_extension():
-    """tandem_grpc from native/grpc and the C++ code protoc generates for the expert and dense services; None
+    """tandem_grpc from native/grpc and the C++ code protoc generates for the expert service; None
     where grpc++, protoc or its gRPC plugin is missing (`make setup` installs them where it can;
     dense-side code then uses grpcio's client) or TANDEM_GRPC_CPP=0."""
     protoc, plugin = shutil.which("protoc"), shutil.which("grpc_cpp_plugin")
@@ -76,15 +76,15 @@ def grpc_extension():
         return None
     out = Path("build") / "grpc_generated"
     out.mkdir(parents=True, exist_ok=True)
-    protos = [Path("protos") / "tandem" / "v1" / f"{name}.proto" for name in ("expert", "dense")]
+    proto = Path("protos") / "tandem" / "v1" / "expert.proto"
     subprocess.run([protoc, "-Iprotos", f"--cpp_out={out}", f"--grpc_out={out}", f"--plugin=protoc-gen-grpc={plugin}",
-                    *map(str, protos)], check=True)
-    generated = [str(out / "tandem" / "v1" / f"{p.stem}{kind}") for p in protos for kind in (".pb.cc", ".grpc.pb.cc")]
+                    str(proto)], check=True)
+    generated = [str(out / "tandem" / "v1" / name) for name in ("expert.pb.cc", "expert.grpc.pb.cc")]
     return Pybind11Extension(
         "tandem_grpc",
         [*sorted(str(p) for p in (NATIVE / "grpc").glob("*.cpp")), *generated],
         depends=[*sorted(str(p) for p in (NATIVE / "grpc").glob("*")), str(NATIVE / "src" / "copy.h"),
-                 str(NATIVE / "include" / "tandem" / "executor_api.h"), *map(str, protos)],
+                 str(NATIVE / "include" / "tandem" / "executor_api.h"), str(proto)],
         include_dirs=[str(out), str(NATIVE / "src"), str(NATIVE / "include")],
         extra_compile_args=COMMON_FLAGS + cflags,
         extra_link_args=["-pthread", *libs],

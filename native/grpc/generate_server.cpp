@@ -11,6 +11,11 @@
 #include "generate_server.h"
 
 #include <grpcpp/grpcpp.h>
+#include <grpcpp/impl/rpc_method.h>
+#include <grpcpp/impl/service_type.h>
+#include <grpcpp/support/byte_buffer.h>
+#include <grpcpp/support/method_handler.h>
+#include <grpcpp/support/sync_stream.h>
 
 #include <atomic>
 #include <chrono>
@@ -22,10 +27,8 @@
 #include <string>
 
 #include "server_setup.h"
-#include "tandem/v1/dense.grpc.pb.h"
 
 namespace py = pybind11;
-namespace pb = tandem::v1;
 
 namespace {
 
@@ -85,22 +88,31 @@ private:
 
 constexpr double kPollS = 0.25;  // how often a stream waiting for its next token looks for a cancelled client
 
-class GenerateService final : public pb::DenseService::Service {
+// DenseService.Generate as bytes both ways: Python parses the request (a bad one is its
+// INVALID_ARGUMENT) and serializes each response; no other method is served here (UNIMPLEMENTED).
+class GenerateService final : public grpc::Service {
 public:
-    explicit GenerateService(py::object open) : open_(std::move(open)) {}
+    explicit GenerateService(py::object open) : open_(std::move(open)) {
+        AddMethod(new grpc::internal::RpcServiceMethod(
+            "/tandem.v1.DenseService/Generate", grpc::internal::RpcMethod::SERVER_STREAMING,
+            new grpc::internal::ServerStreamingHandler<GenerateService, grpc::ByteBuffer, grpc::ByteBuffer>(
+                [](GenerateService* service, grpc::ServerContext* ctx, const grpc::ByteBuffer* request,
+                   grpc::ServerWriter<grpc::ByteBuffer>* writer) { return service->Generate(ctx, *request, writer); },
+                this)));
+    }
 
     ~GenerateService() override {
         py::gil_scoped_acquire gil;
         open_ = py::object();
     }
 
-    grpc::Status Generate(grpc::ServerContext* ctx, const pb::GenerateRequest* request,
-                          grpc::ServerWriter<pb::GenerateResponse>* writer) override {
+    grpc::Status Generate(grpc::ServerContext* ctx, const grpc::ByteBuffer& request,
+                          grpc::ServerWriter<grpc::ByteBuffer>* writer) {
         if (draining) return {grpc::StatusCode::UNAVAILABLE, "the dense service is shutting down"};
         ++open_streams;
         auto sink = std::make_shared<Sink>();
         py::object abort;
-        grpc::Status status = start(ctx, *request, sink, &abort);
+        grpc::Status status = start(ctx, request, sink, &abort);
         if (status.ok()) status = relay(ctx, writer, *sink, abort);
         sink->close();
         {
@@ -116,9 +128,11 @@ public:
 
 private:
     // Python's open(): (0, "", abort) once the engine has the request, (code, message, None) if not.
-    grpc::Status start(grpc::ServerContext* ctx, const pb::GenerateRequest& request, const std::shared_ptr<Sink>& sink,
+    grpc::Status start(grpc::ServerContext* ctx, const grpc::ByteBuffer& request, const std::shared_ptr<Sink>& sink,
                        py::object* abort) {
-        std::string bytes = request.SerializeAsString();
+        grpc::Slice slice;
+        if (!request.DumpToSingleSlice(&slice).ok()) return {grpc::StatusCode::INTERNAL, "the request could not be read"};
+        std::string bytes(reinterpret_cast<const char*>(slice.begin()), slice.size());
         const auto deadline = ctx->deadline();
         const bool bounded = deadline != std::chrono::system_clock::time_point::max();
         const double remaining =
@@ -139,18 +153,17 @@ private:
     }
 
     // Writes the sink's responses until the last; a client that goes away aborts the request.
-    grpc::Status relay(grpc::ServerContext* ctx, grpc::ServerWriter<pb::GenerateResponse>* writer, Sink& sink,
+    grpc::Status relay(grpc::ServerContext* ctx, grpc::ServerWriter<grpc::ByteBuffer>* writer, Sink& sink,
                        const py::object& abort) {
         Sink::Item item;
-        pb::GenerateResponse response;
         while (true) {
             if (!sink.pop(kPollS, item)) {
                 if (ctx->IsCancelled()) break;
                 continue;
             }
             if (item.code) return {static_cast<grpc::StatusCode>(item.code), item.bytes};
-            if (!response.ParseFromString(item.bytes)) return {grpc::StatusCode::INTERNAL, "a response did not parse"};
-            if (!writer->Write(response)) break;
+            grpc::Slice slice(item.bytes);
+            if (!writer->Write(grpc::ByteBuffer(&slice, 1))) break;
             if (item.last) return grpc::Status::OK;
         }
         sink.close();

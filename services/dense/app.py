@@ -140,7 +140,6 @@ class RunningDense:
     port: int
     experts: object
     stopping: threading.Event
-    servicer: DenseServicer | None = None
     generate: object | None = None  # tandem_grpc.GenerateServer, serving the servicer's open_stream
 
     def stop(self, grace: float | None = None) -> None:
@@ -182,4 +181,4 @@ def start(cfg: DenseConfig, experts=None) -> RunningDense:
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     stopping = threading.Event()
     threading.Thread(target=watch_experts, args=(health_servicer, experts, stopping), daemon=True).start()
-    return RunningDense(server, engine, port, experts, stopping, servicer, generate)
+    return RunningDense(server, engine, port, experts, stopping, generate)

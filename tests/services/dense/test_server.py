@@ -287,11 +287,14 @@ def test_the_grpc_port_streams_what_the_grpcio_port_streams():
         assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
 
 
-def test_a_request_that_does_not_parse_is_invalid_argument():
-    with served("grpc++") as (running, _):
-        code, message, abort = running.servicer.open_stream(None, b"\xff\xff", {}, None)
-        assert (code, abort) == (grpc.StatusCode.INVALID_ARGUMENT.value[0], None) and "did not parse" in message
-        assert not running.engine.waiting and not running.engine.running
+def test_a_request_that_does_not_parse_is_invalid_argument_on_the_grpc_port():
+    with served("grpc++") as (running, stubs):
+        raw = stubs.channel.unary_stream("/tandem.v1.DenseService/Generate")  # bytes as they are
+        with pytest.raises(grpc.RpcError) as info:
+            list(raw(b"\xff\xff\xff", timeout=10))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "did not parse" in info.value.details()
+        assert not running.engine.waiting and not running.engine.running and running.generate.open_streams == 0
+        assert collect(stubs.Generate(request(max_tokens=2)))[2].finish_reason == pb.LENGTH
 
 
 def test_stopping_the_service_ends_a_grpc_stream_under_way():

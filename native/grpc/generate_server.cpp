@@ -147,7 +147,7 @@ private:
             if (code) return {static_cast<grpc::StatusCode>(code), r[1].cast<std::string>()};
             *abort = r[2];
             return grpc::Status::OK;
-        } catch (py::error_already_set& e) {
+        } catch (const std::exception& e) {  // a Python error, or open() answering something else than its tuple
             return {grpc::StatusCode::INTERNAL, std::string("opening the stream: ") + e.what()};
         }
     }

@@ -322,3 +322,22 @@ def test_generate_port_off_and_bad_values():
             parse_port("--generate-port", bad)
     with pytest.raises(ConfigError, match="--generate-port"):
         DenseConfig(model=PATH, runtime=DenseRuntime("float32", "cpu"), generate_port=70000)
+
+
+@pytest.mark.parametrize("open_stream", [lambda *_: 1 / 0, lambda *_: "not a tuple"])
+def test_an_open_that_fails_is_internal_and_the_server_goes_on(open_stream):
+    if not native_grpc():
+        pytest.skip("tandem_grpc was not built (grpc++ is not installed)")
+    import tandem_grpc
+
+    server = tandem_grpc.GenerateServer(open_stream, "127.0.0.1:0")
+    channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
+    try:
+        for _ in range(2):
+            with pytest.raises(grpc.RpcError) as info:
+                list(pb_grpc.DenseServiceStub(channel).Generate(request(), timeout=10))
+            assert info.value.code() == grpc.StatusCode.INTERNAL and "opening the stream" in info.value.details()
+        assert server.open_streams == 0
+    finally:
+        channel.close()
+        server.stop()

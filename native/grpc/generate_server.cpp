@@ -65,11 +65,6 @@ public:
         items_.clear();
     }
 
-    bool closed() {
-        std::lock_guard<std::mutex> lock(mu_);
-        return closed_;
-    }
-
 private:
     void put(Item item) {
         {
@@ -194,8 +189,6 @@ public:
 
     int open_streams() const { return service_->open_streams.load(); }
 
-    void drain() { service_->draining = true; }
-
     // Ends the open streams (after grace seconds at most) and stops listening.
     void stop(double grace_s) {
         if (!server_) return;
@@ -218,8 +211,7 @@ void register_generate_server(py::module_& m) {
                                             "One Generate stream's responses, from the engine's thread to the stream's")
         .def("push", [](Sink& s, py::bytes b, bool last) { s.push(std::string(b), last); }, py::arg("response"),
              py::arg("last"), "A serialized GenerateResponse; last: the stream ends after it")
-        .def("fail", &Sink::fail, py::arg("code"), py::arg("message"), "Ends the stream with this gRPC status")
-        .def_property_readonly("closed", &Sink::closed, "Whether the stream has ended (later pushes are dropped)");
+        .def("fail", &Sink::fail, py::arg("code"), py::arg("message"), "Ends the stream with this gRPC status");
     py::class_<GenerateServer>(m, "GenerateServer")
         .def(py::init<py::object, const std::string&, int, int, int>(), py::arg("open"), py::arg("address"),
              py::arg("max_message_bytes") = 64 << 20, py::arg("max_threads") = 64, py::arg("keepalive_ms") = 5000,
@@ -227,7 +219,6 @@ void register_generate_server(py::module_& m) {
              "open(sink, request bytes, metadata dict, remaining seconds or None) -> (0, '', abort) or (code, message, None)")
         .def_property_readonly("port", &GenerateServer::port)
         .def_property_readonly("open_streams", &GenerateServer::open_streams)
-        .def("drain", &GenerateServer::drain, "Refuses new streams (UNAVAILABLE); the open ones go on until stop()")
         .def("stop", &GenerateServer::stop, py::arg("grace_s") = 0.0,
              "Cancels the open streams after grace_s at most, stops listening");
 }

@@ -102,16 +102,25 @@ class DenseServicer(pb_grpc.DenseServiceServicer):
             constraint=constraint, keep_special_tokens=req.keep_special_tokens,
         )
 
-    def Generate(self, request, context):
-        try:
-            req = self._request(request, context.time_remaining())
-        except TandemError as exc:
-            abort(context, exc)
-        tracing.start_request(telemetry.context_from(dict(context.invocation_metadata())), req)
+    def _open(self, request: pb.GenerateRequest, remaining: float | None, metadata: dict[str, str],
+              outputs=None) -> Request:
+        """The request checked, traced and submitted (its outputs into `outputs` when given); raises
+        the domain error that refused it."""
+        req = self._request(request, remaining)
+        if outputs is not None:
+            req.outputs = outputs
+        tracing.start_request(telemetry.context_from(metadata), req)
         try:
             self.engine.submit(req)
         except TandemError as exc:
             tracing.end_request(req, None, exc)
+            raise
+        return req
+
+    def Generate(self, request, context):
+        try:
+            req = self._open(request, context.time_remaining(), dict(context.invocation_metadata()))
+        except TandemError as exc:
             abort(context, exc)
         context.add_callback(lambda: self.engine.abort(req))
         while True:
@@ -132,17 +141,11 @@ class DenseServicer(pb_grpc.DenseServiceServicer):
         """Generate on the grpc++ server (tandem_grpc.GenerateServer): the request submitted with its
         outputs pushed into sink as they come -> (0, "", abort), or (status code, message, None)."""
         try:
-            req = self._request(pb.GenerateRequest.FromString(request), remaining)
+            req = self._open(pb.GenerateRequest.FromString(request), remaining, metadata,
+                             SinkOutputs(sink, self._response))
         except DecodeError as exc:
             return grpc.StatusCode.INVALID_ARGUMENT.value[0], f"the request did not parse: {exc}", None
         except TandemError as exc:
-            return status_of(exc).value[0], str(exc), None
-        req.outputs = SinkOutputs(sink, self._response)
-        tracing.start_request(telemetry.context_from(metadata), req)
-        try:
-            self.engine.submit(req)
-        except TandemError as exc:
-            tracing.end_request(req, None, exc)
             return status_of(exc).value[0], str(exc), None
         return 0, "", lambda: self.engine.abort(req)
 
